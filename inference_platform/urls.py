@@ -1,0 +1,35 @@
+from django.contrib import admin
+from django.http import JsonResponse
+from django.urls import include, path
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+from rest_framework.routers import DefaultRouter
+
+from routing.api.views import RoutingPolicyViewSet
+from serving.api.views import ModelDeploymentViewSet
+from tenants.api import views as tenants
+
+router = DefaultRouter()
+router.register("tenants", tenants.TenantViewSet, basename="tenant")
+router.register("teams", tenants.TeamViewSet, basename="team")
+router.register("memberships", tenants.MembershipViewSet, basename="membership")
+router.register("keys", tenants.ApiKeyViewSet, basename="apikey")
+router.register("quotas", tenants.QuotaViewSet, basename="quota")
+router.register("price-sheets", tenants.PriceSheetViewSet, basename="pricesheet")
+router.register("deployments", ModelDeploymentViewSet, basename="deployment")
+router.register("routing-policies", RoutingPolicyViewSet, basename="routingpolicy")
+router.register("usage", tenants.UsageViewSet, basename="usage")
+router.register("audit-log", tenants.AuditLogViewSet, basename="auditlog")
+
+
+def healthz(request):
+    return JsonResponse({"status": "ok"})
+
+
+urlpatterns = [
+    path("admin/", admin.site.urls),
+    path("api/", include(router.urls)),
+    path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
+    path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
+    path("api/auth/", include("rest_framework.urls")),
+    path("healthz", healthz),
+]

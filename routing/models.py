@@ -1,0 +1,72 @@
+"""How the router chooses among a deployment's endpoints. Data, editable live."""
+
+from __future__ import annotations
+
+from django.core.validators import MaxValueValidator, MinValueValidator
+from django.db import models
+from django.db.models import Q
+
+unit_interval = [MinValueValidator(0.0), MaxValueValidator(1.0)]
+
+
+class RoutingMode(models.TextChoices):
+    ROUND_ROBIN = "round_robin", "Round-robin"
+    LEAST_LOADED = "least_loaded", "Least loaded"
+    APPROXIMATE = "approximate", "Approximate prefix (router's own record)"
+    PRECISE = "precise", "Precise prefix (engines' KV events)"
+
+
+class RoutingPolicy(models.Model):
+    """Scorer weights and thresholds for one deployment.
+
+    Each scorer returns a score in [0, 1] per endpoint; the weights combine them and the best total wins.
+    """
+
+    deployment = models.OneToOneField(
+        "serving.ModelDeployment", on_delete=models.CASCADE, related_name="routing_policy"
+    )
+    mode = models.CharField(max_length=16, choices=RoutingMode.choices, default=RoutingMode.PRECISE)
+    prefix_weight = models.FloatField(default=3.0, validators=[MinValueValidator(0.0)])
+    queue_weight = models.FloatField(default=2.0, validators=[MinValueValidator(0.0)])
+    kv_utilization_weight = models.FloatField(default=1.0, validators=[MinValueValidator(0.0)])
+    session_affinity_weight = models.FloatField(default=1.0, validators=[MinValueValidator(0.0)])
+    gpu_tier_weight = models.FloatField(default=1.0, validators=unit_interval)
+    cpu_tier_weight = models.FloatField(default=0.8, validators=unit_interval)
+    load_guard_ratio = models.FloatField(
+        default=1.3,
+        validators=[MinValueValidator(1.0)],
+        help_text="An endpoint whose load exceeds this multiple of the mean loses its prefix score.",
+    )
+    pd_split_threshold_tokens = models.PositiveIntegerField(
+        default=1024, help_text="Split prefill from decode when the uncached prompt reaches this many tokens."
+    )
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        verbose_name_plural = "routing policies"
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(
+                    prefix_weight__gte=0,
+                    queue_weight__gte=0,
+                    kv_utilization_weight__gte=0,
+                    session_affinity_weight__gte=0,
+                ),
+                name="routing_policy_weights_not_negative",
+                violation_error_message="Scorer weights cannot be negative.",
+            ),
+            models.CheckConstraint(
+                condition=Q(gpu_tier_weight__gte=0, gpu_tier_weight__lte=1, cpu_tier_weight__gte=0)
+                & Q(cpu_tier_weight__lte=models.F("gpu_tier_weight")),
+                name="routing_policy_tier_weights_ordered",
+                violation_error_message="Tier weights lie in [0, 1] and a CPU block cannot weigh more than a GPU block.",
+            ),
+            models.CheckConstraint(
+                condition=Q(load_guard_ratio__gte=1),
+                name="routing_policy_load_guard_min",
+                violation_error_message="The load guard ratio must be at least 1.",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.deployment.name}: {self.get_mode_display()}"

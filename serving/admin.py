@@ -1,0 +1,101 @@
+from django.contrib import admin
+
+from tenants.admin_audit import AuditedAdmin
+from tenants.audit import snapshot
+
+from .models import Endpoint, ModelDeployment, Pool
+
+
+class PoolInline(admin.StackedInline):
+    model = Pool
+    extra = 0
+    fieldsets = [
+        (None, {"fields": [("name", "role", "replicas")]}),
+        (
+            "Parallelism",
+            {
+                "fields": [
+                    (
+                        "tensor_parallel_size",
+                        "data_parallel_size",
+                        "enable_expert_parallel",
+                        "nodes_per_replica",
+                    )
+                ]
+            },
+        ),
+        (
+            "Engine options",
+            {
+                "fields": [
+                    ("enable_prefix_caching", "enable_kv_events"),
+                    ("kv_connector", "cpu_offload_bytes"),
+                    ("speculative_method", "num_speculative_tokens"),
+                    "max_num_seqs",
+                    "extra_engine_args",
+                ]
+            },
+        ),
+        ("Resources", {"fields": [("accelerator", "gpus_per_replica", "cpu_request", "memory_request")]}),
+    ]
+
+
+class EndpointInline(admin.TabularInline):
+    model = Endpoint
+    extra = 0
+    fields = ["name", "url", "role", "health", "last_seen_at"]
+    readonly_fields = fields
+    can_delete = False
+
+    def has_add_permission(self, request, obj=None):
+        return False
+
+
+@admin.register(ModelDeployment)
+class ModelDeploymentAdmin(AuditedAdmin):
+    audit_name = "deployment"
+    list_display = [
+        "name",
+        "served_model_name",
+        "engine_kind",
+        "orchestrator",
+        "desired_status",
+        "observed_status",
+        "pool_summary",
+        "updated_at",
+    ]
+    list_filter = ["engine_kind", "orchestrator", "desired_status", "observed_status"]
+    search_fields = ["name", "served_model_name", "model_source"]
+    readonly_fields = ["observed_status", "status_message", "observed_at", "created_at", "updated_at"]
+    inlines = [PoolInline]
+
+    def get_queryset(self, request):
+        return super().get_queryset(request).prefetch_related("pools")
+
+    @admin.display(description="Pools")
+    def pool_summary(self, obj: ModelDeployment) -> str:
+        return ", ".join(f"{p.name} ({p.role}) x{p.replicas}" for p in obj.pools.all()) or "-"
+
+    def audit_snapshot(self, obj) -> dict:
+        data = snapshot(obj)
+        data["pools"] = {pool.name: snapshot(pool) for pool in obj.pools.order_by("name")}
+        return data
+
+
+@admin.register(Endpoint)
+class EndpointAdmin(admin.ModelAdmin):
+    """Endpoints are what the orchestrators found running; they are read here, not edited."""
+
+    list_display = ["name", "url", "role", "pool", "health", "last_seen_at"]
+    list_filter = ["health", "role", "pool__deployment"]
+    search_fields = ["name", "url"]
+    list_select_related = ["pool__deployment"]
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False

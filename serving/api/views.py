@@ -1,0 +1,36 @@
+from __future__ import annotations
+
+from django.db.models import Prefetch
+
+from inference_platform.api_base import AuditedModelViewSet
+from tenants.audit import snapshot
+
+from ..models import ModelDeployment, Pool
+from .serializers import ModelDeploymentSerializer
+
+
+class ModelDeploymentViewSet(AuditedModelViewSet):
+    """Model deployments with their pools. Everyone signed in can read them; operators change them.
+
+    Writing `pools` replaces the deployment's set of pools, matched by name.
+    """
+
+    serializer_class = ModelDeploymentSerializer
+    audit_name = "deployment"
+    filterset_fields = [
+        "served_model_name",
+        "engine_kind",
+        "orchestrator",
+        "desired_status",
+        "observed_status",
+    ]
+
+    def get_queryset(self):
+        return ModelDeployment.objects.prefetch_related(
+            Prefetch("pools", queryset=Pool.objects.order_by("name"))
+        )
+
+    def audit_snapshot(self, instance) -> dict:
+        data = snapshot(instance)
+        data["pools"] = {pool.name: snapshot(pool) for pool in instance.pools.order_by("name")}
+        return data

@@ -1,0 +1,209 @@
+"""What the operator wants served (deployments and their pools) and what is really running (endpoints)."""
+
+from __future__ import annotations
+
+from django.core.validators import MaxValueValidator, MinValueValidator
+from django.db import models
+from django.db.models import Q
+
+from tenants.models import slug_validator
+
+
+class EngineKind(models.TextChoices):
+    VLLM = "vllm", "vLLM"
+    SIM = "sim", "Simulator"
+
+
+class OrchestratorKind(models.TextChoices):
+    LOCAL = "local", "Local processes"
+    KUBERNETES = "kubernetes", "Kubernetes"
+
+
+class DesiredStatus(models.TextChoices):
+    RUNNING = "running", "Running"
+    STOPPED = "stopped", "Stopped"
+
+
+class ObservedStatus(models.TextChoices):
+    PENDING = "pending", "Pending"
+    PROGRESSING = "progressing", "Progressing"
+    READY = "ready", "Ready"
+    DEGRADED = "degraded", "Degraded"
+    STOPPED = "stopped", "Stopped"
+    FAILED = "failed", "Failed"
+
+
+class ModelDeployment(models.Model):
+    """One served model: where its weights come from, which engine serves it and where it runs."""
+
+    name = models.SlugField(max_length=63, unique=True, validators=[slug_validator])
+    served_model_name = models.CharField(
+        max_length=200, unique=True, help_text="The `model` clients put in their requests."
+    )
+    model_source = models.CharField(max_length=500, help_text="A model hub id or a path to a model folder.")
+    revision = models.CharField(max_length=100, blank=True)
+    tokenizer = models.CharField(max_length=500, blank=True, help_text="Defaults to the model source.")
+    engine_kind = models.CharField(max_length=8, choices=EngineKind.choices, default=EngineKind.VLLM)
+    engine_image = models.CharField(
+        max_length=300, blank=True, help_text="Container image (Kubernetes only)."
+    )
+    orchestrator = models.CharField(
+        max_length=12, choices=OrchestratorKind.choices, default=OrchestratorKind.LOCAL
+    )
+    namespace = models.CharField(
+        max_length=63, blank=True, help_text="Kubernetes namespace; default from settings."
+    )
+    max_model_len = models.PositiveIntegerField(default=4096, validators=[MinValueValidator(16)])
+    block_size = models.PositiveIntegerField(
+        default=128, validators=[MinValueValidator(1), MaxValueValidator(4096)]
+    )
+    desired_status = models.CharField(
+        max_length=8, choices=DesiredStatus.choices, default=DesiredStatus.RUNNING
+    )
+    observed_status = models.CharField(
+        max_length=12, choices=ObservedStatus.choices, default=ObservedStatus.PENDING, editable=False
+    )
+    status_message = models.TextField(blank=True, editable=False)
+    observed_at = models.DateTimeField(null=True, blank=True, editable=False)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(max_model_len__gte=16),
+                name="deployment_max_model_len_min",
+                violation_error_message="max_model_len must be at least 16.",
+            ),
+            models.CheckConstraint(
+                condition=Q(block_size__gte=1),
+                name="deployment_block_size_positive",
+                violation_error_message="block_size must be at least 1.",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class PoolRole(models.TextChoices):
+    BOTH = "both", "Prefill and decode"
+    PREFILL = "prefill", "Prefill"
+    DECODE = "decode", "Decode"
+
+
+class KvConnector(models.TextChoices):
+    NONE = "", "None"
+    NIXL = "NixlConnector", "NIXL"
+    OFFLOADING = "OffloadingConnector", "CPU offloading"
+    MULTI = "MultiConnector", "NIXL + CPU offloading"
+
+
+class SpeculativeMethod(models.TextChoices):
+    NONE = "", "None"
+    NGRAM = "ngram", "n-gram"
+    MTP = "mtp", "MTP"
+    EAGLE = "eagle", "EAGLE"
+
+
+class Pool(models.Model):
+    """A set of identical engine replicas with one role."""
+
+    deployment = models.ForeignKey(ModelDeployment, on_delete=models.CASCADE, related_name="pools")
+    name = models.SlugField(max_length=40, validators=[slug_validator])
+    role = models.CharField(max_length=8, choices=PoolRole.choices, default=PoolRole.BOTH)
+    replicas = models.PositiveIntegerField(default=1, validators=[MaxValueValidator(1024)])
+    tensor_parallel_size = models.PositiveSmallIntegerField(default=1, validators=[MinValueValidator(1)])
+    data_parallel_size = models.PositiveSmallIntegerField(default=1, validators=[MinValueValidator(1)])
+    enable_expert_parallel = models.BooleanField(default=False)
+    nodes_per_replica = models.PositiveSmallIntegerField(default=1, validators=[MinValueValidator(1)])
+    enable_prefix_caching = models.BooleanField(default=True)
+    enable_kv_events = models.BooleanField(default=True)
+    kv_connector = models.CharField(max_length=24, choices=KvConnector.choices, blank=True, default="")
+    cpu_offload_bytes = models.PositiveBigIntegerField(
+        default=0, help_text="CPU memory for evicted KV blocks."
+    )
+    speculative_method = models.CharField(
+        max_length=8, choices=SpeculativeMethod.choices, blank=True, default=""
+    )
+    num_speculative_tokens = models.PositiveSmallIntegerField(null=True, blank=True)
+    max_num_seqs = models.PositiveIntegerField(default=256, validators=[MinValueValidator(1)])
+    accelerator = models.CharField(
+        max_length=64, blank=True, help_text="Accelerator type, e.g. nvidia-h100-80gb."
+    )
+    gpus_per_replica = models.PositiveSmallIntegerField(default=1)
+    cpu_request = models.CharField(max_length=16, blank=True, help_text="Kubernetes quantity, e.g. 8.")
+    memory_request = models.CharField(max_length=16, blank=True, help_text="Kubernetes quantity, e.g. 64Gi.")
+    extra_engine_args = models.JSONField(
+        default=list, blank=True, help_text="Extra engine arguments, a list."
+    )
+
+    class Meta:
+        ordering = ["deployment__name", "name"]
+        constraints = [
+            models.UniqueConstraint(fields=["deployment", "name"], name="pool_name_unique_in_deployment"),
+            models.CheckConstraint(
+                condition=Q(role__in=PoolRole.values),
+                name="pool_role_known",
+                violation_error_message="Role must be both, prefill or decode.",
+            ),
+            models.CheckConstraint(
+                condition=Q(tensor_parallel_size__gte=1, data_parallel_size__gte=1, nodes_per_replica__gte=1),
+                name="pool_parallelism_positive",
+                violation_error_message="Parallel sizes and nodes per replica must be at least 1.",
+            ),
+            models.CheckConstraint(
+                condition=(
+                    Q(speculative_method="", num_speculative_tokens__isnull=True)
+                    | (~Q(speculative_method="") & Q(num_speculative_tokens__gte=1))
+                ),
+                name="pool_speculative_method_and_tokens_together",
+                violation_error_message="Speculative decoding needs both a method and num_speculative_tokens of at least 1, or neither.",
+            ),
+            models.CheckConstraint(
+                condition=Q(cpu_offload_bytes=0)
+                | Q(kv_connector__in=["OffloadingConnector", "MultiConnector"]),
+                name="pool_cpu_offload_needs_offloading_connector",
+                violation_error_message="CPU offload bytes need the OffloadingConnector or MultiConnector.",
+            ),
+            models.CheckConstraint(
+                condition=Q(role="both") | Q(kv_connector__in=["NixlConnector", "MultiConnector"]),
+                name="pool_split_role_needs_nixl",
+                violation_error_message="A prefill or decode pool needs the NixlConnector (or MultiConnector) to hand KV blocks over.",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.deployment.name}/{self.name}"
+
+
+class Health(models.TextChoices):
+    UNKNOWN = "unknown", "Unknown"
+    STARTING = "starting", "Starting"
+    HEALTHY = "healthy", "Healthy"
+    UNHEALTHY = "unhealthy", "Unhealthy"
+
+
+class Endpoint(models.Model):
+    """One running engine, as the orchestrator found it."""
+
+    pool = models.ForeignKey(Pool, on_delete=models.CASCADE, related_name="endpoints")
+    name = models.CharField(max_length=120, help_text="Process or pod name.")
+    url = models.URLField(help_text="Base URL of the engine's HTTP server.")
+    role = models.CharField(max_length=8, choices=PoolRole.choices)
+    kv_events_endpoint = models.CharField(max_length=255, blank=True)
+    kv_side_channel = models.CharField(max_length=255, blank=True, help_text="NIXL side channel host:port.")
+    health = models.CharField(max_length=10, choices=Health.choices, default=Health.UNKNOWN)
+    last_seen_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["pool__deployment__name", "pool__name", "name"]
+        constraints = [
+            models.UniqueConstraint(fields=["pool", "name"], name="endpoint_name_unique_in_pool"),
+            models.UniqueConstraint(fields=["url"], name="endpoint_url_unique"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.url})"

@@ -1,0 +1,100 @@
+"""Who can see and change what. Every tenant-owned lookup goes through these scopes.
+
+Visibility decides existence: an object outside a user's scope is simply not found (404). Inside it,
+write rights decide between allowed and 403.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from django.db.models import Q, QuerySet
+
+from .models import ApiKey, AuditLog, Membership, PriceSheet, Quota, Role, Team, Tenant, UsageRecord
+
+
+@dataclass(frozen=True)
+class Access:
+    is_operator: bool
+    admin_tenants: frozenset[int]  # tenant admin of these
+    admin_teams: frozenset[int]  # team admin of these
+    teams: frozenset[int]  # any role in these teams
+    tenants: frozenset[int]  # any role in these tenants
+
+    @classmethod
+    def for_user(cls, user) -> Access:
+        if not user or not user.is_authenticated:
+            return cls(False, frozenset(), frozenset(), frozenset(), frozenset())
+        rows = list(Membership.objects.filter(user=user).values_list("role", "tenant_id", "team_id"))
+        return cls(
+            is_operator=user.is_superuser or any(role == Role.OPERATOR for role, _, _ in rows),
+            admin_tenants=frozenset(tenant for role, tenant, _ in rows if role == Role.TENANT_ADMIN),
+            admin_teams=frozenset(team for role, _, team in rows if role == Role.TEAM_ADMIN),
+            teams=frozenset(team for _, _, team in rows if team is not None),
+            tenants=frozenset(tenant for _, tenant, _ in rows if tenant is not None),
+        )
+
+    # --- what a user can see -------------------------------------------------------------------
+    def _team_scoped(self, qs: QuerySet, team_path: str) -> QuerySet:
+        if self.is_operator:
+            return qs
+        return qs.filter(
+            Q(**{f"{team_path}__tenant_id__in": self.admin_tenants})
+            | Q(**{f"{team_path}_id__in": self.teams})
+        )
+
+    def tenants_qs(self) -> QuerySet[Tenant]:
+        qs = Tenant.objects.all()
+        return qs if self.is_operator else qs.filter(id__in=self.tenants)
+
+    def teams_qs(self) -> QuerySet[Team]:
+        qs = Team.objects.select_related("tenant")
+        return (
+            qs if self.is_operator else qs.filter(Q(tenant_id__in=self.admin_tenants) | Q(id__in=self.teams))
+        )
+
+    def memberships_qs(self) -> QuerySet[Membership]:
+        qs = Membership.objects.select_related("user", "tenant", "team")
+        if self.is_operator:
+            return qs
+        return qs.filter(Q(tenant_id__in=self.admin_tenants) | Q(team_id__in=self.teams))
+
+    def api_keys_qs(self) -> QuerySet[ApiKey]:
+        return self._team_scoped(ApiKey.objects.select_related("team__tenant"), "team")
+
+    def quotas_qs(self) -> QuerySet[Quota]:
+        return self._team_scoped(Quota.objects.select_related("team", "api_key"), "team")
+
+    def price_sheets_qs(self) -> QuerySet[PriceSheet]:
+        qs = PriceSheet.objects.select_related("tenant")
+        return qs if self.is_operator else qs.filter(Q(tenant__isnull=True) | Q(tenant_id__in=self.tenants))
+
+    def usage_qs(self) -> QuerySet[UsageRecord]:
+        return self._team_scoped(UsageRecord.objects.all(), "team")
+
+    def audit_qs(self) -> QuerySet[AuditLog]:
+        qs = AuditLog.objects.all()
+        return qs if self.is_operator else qs.filter(tenant_id__in=self.admin_tenants)
+
+    # --- what a user can change ----------------------------------------------------------------
+    def manageable_tenants_qs(self) -> QuerySet[Tenant]:
+        """Tenants in which this user may create teams and memberships."""
+        qs = Tenant.objects.all()
+        return qs if self.is_operator else qs.filter(id__in=self.admin_tenants)
+
+    def manageable_teams_qs(self) -> QuerySet[Team]:
+        """Teams whose keys and members this user may manage."""
+        qs = Team.objects.select_related("tenant")
+        if self.is_operator:
+            return qs
+        return qs.filter(Q(tenant_id__in=self.admin_tenants) | Q(id__in=self.admin_teams))
+
+    def can_manage_team(self, team: Team) -> bool:
+        return self.is_operator or team.tenant_id in self.admin_tenants or team.id in self.admin_teams
+
+    def can_admin_tenant(self, tenant_id: int | None) -> bool:
+        return self.is_operator or (tenant_id is not None and tenant_id in self.admin_tenants)
+
+    @property
+    def administers_anything(self) -> bool:
+        return self.is_operator or bool(self.admin_tenants or self.admin_teams)

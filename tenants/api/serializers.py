@@ -1,0 +1,262 @@
+from __future__ import annotations
+
+from django.contrib.auth import get_user_model
+from django.utils import timezone
+from rest_framework import serializers
+
+from inference_platform.model_validation import ModelCleanMixin
+
+from ..access import Access
+from ..models import (
+    TEAM_ROLES,
+    ApiKey,
+    AuditLog,
+    Membership,
+    PriceSheet,
+    Quota,
+    Role,
+    Scope,
+    Team,
+    Tenant,
+    UsageRecord,
+)
+
+
+def _access(serializer: serializers.Serializer) -> Access:
+    return serializer.context["access"]
+
+
+class TenantSerializer(ModelCleanMixin, serializers.ModelSerializer):
+    class Meta:
+        model = Tenant
+        fields = ["id", "name", "slug", "is_active", "created_at"]
+
+
+class TeamSerializer(ModelCleanMixin, serializers.ModelSerializer):
+    tenant = serializers.PrimaryKeyRelatedField(queryset=Tenant.objects.none())
+
+    class Meta:
+        model = Team
+        fields = ["id", "tenant", "name", "slug", "created_at"]
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if "access" in self.context:
+            self.fields["tenant"].queryset = _access(self).manageable_tenants_qs()
+        if (
+            self.instance is not None
+            and not isinstance(self.instance, list | tuple)
+            and hasattr(self.instance, "pk")
+        ):
+            self.fields["tenant"].read_only = True  # a team never moves between tenants
+
+
+class MembershipSerializer(ModelCleanMixin, serializers.ModelSerializer):
+    user = serializers.SlugRelatedField(slug_field="username", queryset=get_user_model().objects.all())
+    tenant = serializers.PrimaryKeyRelatedField(
+        queryset=Tenant.objects.none(), required=False, allow_null=True
+    )
+    team = serializers.PrimaryKeyRelatedField(queryset=Team.objects.none(), required=False, allow_null=True)
+
+    class Meta:
+        model = Membership
+        fields = ["id", "user", "role", "tenant", "team", "created_at"]
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if "access" in self.context:
+            access = _access(self)
+            self.fields["tenant"].queryset = access.manageable_tenants_qs()
+            self.fields["team"].queryset = access.manageable_teams_qs()
+        if isinstance(self.instance, Membership):
+            # Only the role changes in place; a new scope is a new membership.
+            for name in ("user", "tenant", "team"):
+                self.fields[name].read_only = True
+
+    def validate(self, attrs):
+        access = _access(self)
+        role = attrs.get("role", getattr(self.instance, "role", None))
+        tenant = attrs.get("tenant", getattr(self.instance, "tenant", None))
+        team = attrs.get("team", getattr(self.instance, "team", None))
+        if role == Role.OPERATOR:
+            if not access.is_operator:
+                raise serializers.ValidationError({"role": "Only an operator can grant the operator role."})
+            if tenant or team:
+                raise serializers.ValidationError(
+                    {"role": "The operator role is platform-wide: leave tenant and team empty."}
+                )
+        elif role == Role.TENANT_ADMIN:
+            if team:
+                raise serializers.ValidationError({"team": "A tenant admin role takes a tenant, not a team."})
+            if tenant is None:
+                raise serializers.ValidationError({"tenant": "A tenant admin role needs a tenant."})
+            if not access.can_admin_tenant(tenant.id):
+                raise serializers.ValidationError(
+                    {"role": "Only an operator or a tenant admin can grant this role."}
+                )
+        elif role in TEAM_ROLES:
+            if team is None:
+                raise serializers.ValidationError({"team": f"The {role} role needs a team."})
+            if tenant is not None and tenant.id != team.tenant_id:
+                raise serializers.ValidationError(
+                    {"tenant": "The team belongs to another tenant; leave tenant empty."}
+                )
+            attrs["tenant"] = team.tenant
+        return super().validate(attrs)
+
+
+class ApiKeySerializer(ModelCleanMixin, serializers.ModelSerializer):
+    team = serializers.PrimaryKeyRelatedField(queryset=Team.objects.none())
+    scopes = serializers.ListField(
+        child=serializers.ChoiceField(choices=Scope.choices), allow_empty=False, default=[Scope.INFERENCE]
+    )
+    prefix = serializers.CharField(read_only=True)
+    is_active = serializers.BooleanField(read_only=True)
+    created_by = serializers.SlugRelatedField(slug_field="username", read_only=True)
+
+    class Meta:
+        model = ApiKey
+        fields = [
+            "id",
+            "team",
+            "name",
+            "prefix",
+            "scopes",
+            "expires_at",
+            "revoked_at",
+            "last_used_at",
+            "is_active",
+            "created_by",
+            "created_at",
+        ]
+        read_only_fields = ["revoked_at", "last_used_at", "created_at"]
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if "access" in self.context:
+            self.fields["team"].queryset = _access(self).manageable_teams_qs()
+        if isinstance(self.instance, ApiKey):
+            self.fields["team"].read_only = True
+
+    def model_clean_exclude(self, instance) -> set[str]:
+        return {"public_id", "secret_hmac"}  # made when the key is issued
+
+    def validate_expires_at(self, value):
+        if value is not None and value <= timezone.now():
+            raise serializers.ValidationError("Give a time in the future, or leave it empty for no expiry.")
+        return value
+
+
+class IssuedApiKeySerializer(ApiKeySerializer):
+    key = serializers.CharField(
+        read_only=True, help_text="The full key. Shown once, now; it cannot be shown again."
+    )
+
+    class Meta(ApiKeySerializer.Meta):
+        fields = [*ApiKeySerializer.Meta.fields, "key"]
+
+
+class QuotaSerializer(ModelCleanMixin, serializers.ModelSerializer):
+    team = serializers.PrimaryKeyRelatedField(queryset=Team.objects.none())
+    api_key = serializers.PrimaryKeyRelatedField(
+        queryset=ApiKey.objects.none(), required=False, allow_null=True
+    )
+    resets_at = serializers.DateTimeField(read_only=True)
+
+    class Meta:
+        model = Quota
+        fields = [
+            "id",
+            "team",
+            "api_key",
+            "requests_per_minute",
+            "input_tokens_per_minute",
+            "output_tokens_per_minute",
+            "max_concurrent_requests",
+            "budget_period",
+            "token_budget",
+            "spend_budget",
+            "currency",
+            "resets_at",
+            "updated_at",
+        ]
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if "access" in self.context:
+            access = _access(self)
+            teams = (
+                access.teams_qs()
+                if access.is_operator
+                else access.teams_qs().filter(tenant_id__in=access.admin_tenants)
+            )
+            self.fields["team"].queryset = teams
+            self.fields["api_key"].queryset = ApiKey.objects.filter(team__in=teams)
+        if isinstance(self.instance, Quota):
+            self.fields["team"].read_only = True
+            self.fields["api_key"].read_only = True
+
+    def validate(self, attrs):
+        team = attrs.get("team", getattr(self.instance, "team", None))
+        api_key = attrs.get("api_key", getattr(self.instance, "api_key", None))
+        if api_key is not None and api_key.team_id != team.id:
+            raise serializers.ValidationError({"api_key": "This key belongs to another team."})
+        return super().validate(attrs)
+
+
+class PriceSheetSerializer(ModelCleanMixin, serializers.ModelSerializer):
+    class Meta:
+        model = PriceSheet
+        fields = [
+            "id",
+            "served_model_name",
+            "tenant",
+            "effective_from",
+            "currency",
+            "input_per_mtok",
+            "cached_input_per_mtok",
+            "output_per_mtok",
+            "created_at",
+        ]
+
+
+class UsageRecordSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = UsageRecord
+        fields = [
+            "request_id",
+            "tenant",
+            "team",
+            "api_key",
+            "deployment",
+            "model",
+            "endpoint",
+            "prompt_tokens",
+            "cached_prompt_tokens",
+            "output_tokens",
+            "cost",
+            "currency",
+            "ttft_ms",
+            "latency_ms",
+            "status",
+            "created_at",
+        ]
+        read_only_fields = fields
+
+
+class AuditLogSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = AuditLog
+        fields = [
+            "id",
+            "actor_label",
+            "tenant",
+            "action",
+            "target_type",
+            "target_id",
+            "target_repr",
+            "details",
+            "source",
+            "created_at",
+        ]
+        read_only_fields = fields

@@ -1,0 +1,102 @@
+"""API keys: issue, verify, revoke. Only an HMAC of a key with the server pepper is ever stored."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from dataclasses import dataclass
+from datetime import datetime
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from .audit import audit_record, snapshot
+from .models import ApiKey, Team
+
+_PUBLIC_ID_ALPHABET = "abcdefghijkmnpqrstuvwxyz23456789"
+PUBLIC_ID_LENGTH = 12
+
+
+def key_hmac(raw_key: str) -> str:
+    return hmac.new(settings.API_KEY_PEPPER.encode(), raw_key.encode(), hashlib.sha256).hexdigest()
+
+
+def parse_key(raw_key: str) -> str | None:
+    """The public id inside a key of the form `ipk_<public_id>_<secret>`, or None if it is not one."""
+    parts = raw_key.split("_", 2)
+    if (
+        len(parts) != 3
+        or parts[0] != settings.API_KEY_PREFIX
+        or len(parts[1]) != PUBLIC_ID_LENGTH
+        or not parts[2]
+    ):
+        return None
+    return parts[1]
+
+
+@dataclass(frozen=True)
+class IssuedKey:
+    api_key: ApiKey
+    secret: str  # the full key; shown to its owner once and never stored
+
+
+def api_key_create(
+    *,
+    team: Team,
+    name: str,
+    scopes: list[str],
+    expires_at: datetime | None = None,
+    actor=None,
+    source: str = "api",
+) -> IssuedKey:
+    public_id = "".join(secrets.choice(_PUBLIC_ID_ALPHABET) for _ in range(PUBLIC_ID_LENGTH))
+    raw_key = f"{settings.API_KEY_PREFIX}_{public_id}_{secrets.token_urlsafe(32)}"
+    with transaction.atomic():
+        api_key = ApiKey.objects.create(
+            team=team,
+            name=name,
+            public_id=public_id,
+            secret_hmac=key_hmac(raw_key),
+            scopes=sorted(set(scopes)),
+            expires_at=expires_at,
+            created_by=actor if getattr(actor, "pk", None) else None,
+        )
+        audit_record(
+            actor=actor,
+            action="api_key.create",
+            instance=api_key,
+            source=source,
+            details={"after": snapshot(api_key)},
+        )
+    return IssuedKey(api_key=api_key, secret=raw_key)
+
+
+def api_key_revoke(*, api_key: ApiKey, actor=None, source: str = "api") -> bool:
+    """Revoke a key. Returns False when it was already revoked (and then changes nothing)."""
+    with transaction.atomic():
+        now = timezone.now()
+        updated = ApiKey.objects.filter(pk=api_key.pk, revoked_at__isnull=True).update(revoked_at=now)
+        if not updated:
+            return False
+        api_key.revoked_at = now
+        audit_record(
+            actor=actor,
+            action="api_key.revoke",
+            instance=api_key,
+            source=source,
+            details={"changes": {"revoked_at": [None, now.isoformat()]}},
+        )
+    return True
+
+
+def api_key_verify(raw_key: str) -> ApiKey | None:
+    """The active key matching `raw_key`, or None. Compares HMACs in constant time."""
+    public_id = parse_key(raw_key)
+    if public_id is None:
+        return None
+    api_key = ApiKey.objects.select_related("team__tenant").filter(public_id=public_id).first()
+    if api_key is None or not hmac.compare_digest(api_key.secret_hmac, key_hmac(raw_key)):
+        return None
+    return api_key if api_key.is_active else None

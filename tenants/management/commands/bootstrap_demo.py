@@ -1,0 +1,122 @@
+"""Create the demo operator, tenant, team, key, price sheet and deployment. Safe to run again."""
+
+import secrets
+from decimal import Decimal
+
+from django.contrib.auth import get_user_model
+from django.core.management.base import BaseCommand
+from django.db import transaction
+from django.utils import timezone
+
+from routing.models import RoutingPolicy
+from serving.models import EngineKind, ModelDeployment, Pool
+from tenants.audit import audit_record, snapshot
+from tenants.keys import api_key_create
+from tenants.models import ApiKey, Membership, PriceSheet, Quota, Role, Scope, Team, Tenant
+
+DEMO_MODEL = "tiny-qwen"
+
+
+class Command(BaseCommand):
+    help = "Create a demo operator, tenant, team and API key (printed once), with a price sheet and a deployment."
+
+    def add_arguments(self, parser):
+        parser.add_argument("--username", default="operator")
+
+    @transaction.atomic
+    def handle(self, *args, username: str, **options):
+        User = get_user_model()
+        user = User.objects.filter(username=username).first()
+        if user is None:
+            password = secrets.token_urlsafe(12)
+            user = User.objects.create_superuser(username=username, email="", password=password)
+            Membership.objects.create(user=user, role=Role.OPERATOR)
+            audit_record(
+                actor=None,
+                action="user.create",
+                instance=user,
+                source="system",
+                details={"after": {"username": username, "operator": True}},
+            )
+            self.stdout.write(f"Operator:  {username} / {password}   (shown once; change it in the admin)")
+        else:
+            self.stdout.write(f"Operator:  {username} (exists)")
+
+        tenant, created = Tenant.objects.get_or_create(slug="demo", defaults={"name": "Demo Inc."})
+        if created:
+            audit_record(
+                actor=None,
+                action="tenant.create",
+                instance=tenant,
+                source="system",
+                details={"after": snapshot(tenant)},
+            )
+        team, created = Team.objects.get_or_create(tenant=tenant, slug="agents", defaults={"name": "Agents"})
+        if created:
+            audit_record(
+                actor=None,
+                action="team.create",
+                instance=team,
+                source="system",
+                details={"after": snapshot(team)},
+            )
+            quota = Quota.objects.create(
+                team=team, requests_per_minute=600, max_concurrent_requests=64, token_budget=50_000_000
+            )
+            audit_record(
+                actor=None,
+                action="quota.create",
+                instance=quota,
+                source="system",
+                details={"after": snapshot(quota)},
+            )
+        self.stdout.write(f"Tenant:    {tenant.slug}, team {team.slug}")
+
+        if not PriceSheet.objects.filter(served_model_name=DEMO_MODEL, tenant=None).exists():
+            sheet = PriceSheet.objects.create(
+                served_model_name=DEMO_MODEL,
+                effective_from=timezone.now().replace(day=1, hour=0, minute=0, second=0, microsecond=0),
+                input_per_mtok=Decimal("0.50"),
+                cached_input_per_mtok=Decimal("0.05"),
+                output_per_mtok=Decimal("1.50"),
+            )
+            audit_record(
+                actor=None,
+                action="price_sheet.create",
+                instance=sheet,
+                source="system",
+                details={"after": snapshot(sheet)},
+            )
+
+        deployment, created = ModelDeployment.objects.get_or_create(
+            name="tiny-demo",
+            defaults={
+                "served_model_name": DEMO_MODEL,
+                "model_source": "models/tiny-qwen",
+                "engine_kind": EngineKind.SIM,
+            },
+        )
+        if created:
+            Pool.objects.create(deployment=deployment, name="main", replicas=2)
+            RoutingPolicy.objects.create(deployment=deployment)
+            audit_record(
+                actor=None,
+                action="deployment.create",
+                instance=deployment,
+                source="system",
+                details={"after": snapshot(deployment)},
+            )
+
+        if not ApiKey.objects.filter(team=team, name="demo agent").exists():
+            issued = api_key_create(
+                team=team,
+                name="demo agent",
+                scopes=[Scope.INFERENCE, Scope.READ_USAGE],
+                actor=None,
+                source="system",
+            )
+            self.stdout.write(f"API key:   {issued.secret}   (shown once; keep it now)")
+        else:
+            self.stdout.write(
+                "API key:   demo key exists (its secret was shown when it was made; issue another in the admin)"
+            )

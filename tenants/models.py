@@ -1,0 +1,385 @@
+"""Who may use the platform, with which keys, under which limits and at which prices; and what they used."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+
+from django.conf import settings
+from django.contrib.postgres.fields import ArrayField
+from django.core.validators import MinValueValidator, RegexValidator
+from django.db import models
+from django.db.models import F, Q
+from django.utils import timezone
+
+slug_validator = RegexValidator(
+    r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$", "Use lower-case letters, digits and hyphens."
+)
+currency_validator = RegexValidator(r"^[A-Z]{3}$", "Use a three-letter ISO 4217 currency code, such as USD.")
+
+
+class Tenant(models.Model):
+    """A customer organisation. Everything a tenant owns is reached through it."""
+
+    name = models.CharField(max_length=200)
+    slug = models.SlugField(max_length=63, unique=True, validators=[slug_validator])
+    is_active = models.BooleanField(default=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["slug"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class Team(models.Model):
+    tenant = models.ForeignKey(Tenant, on_delete=models.PROTECT, related_name="teams")
+    name = models.CharField(max_length=200)
+    slug = models.SlugField(max_length=63, validators=[slug_validator])
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["tenant__slug", "slug"]
+        constraints = [
+            models.UniqueConstraint(fields=["tenant", "slug"], name="team_slug_unique_in_tenant"),
+            # Target of the composite foreign keys that keep a row's tenant equal to its team's tenant.
+            models.UniqueConstraint(fields=["id", "tenant"], name="team_id_tenant_unique"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.tenant.slug}/{self.slug}"
+
+
+class Role(models.TextChoices):
+    OPERATOR = "operator", "Operator (platform-wide)"
+    TENANT_ADMIN = "tenant_admin", "Tenant admin"
+    TEAM_ADMIN = "team_admin", "Team admin"
+    MEMBER = "member", "Member"
+
+
+TEAM_ROLES = (Role.TEAM_ADMIN, Role.MEMBER)
+
+
+class Membership(models.Model):
+    """A user's role: platform-wide (operator), over one tenant, or in one team.
+
+    The scope columns must match the role, and a team role's tenant is its team's tenant (a composite
+    foreign key added in the migration enforces that in the database).
+    """
+
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="memberships")
+    role = models.CharField(max_length=20, choices=Role.choices)
+    tenant = models.ForeignKey(
+        Tenant, on_delete=models.CASCADE, null=True, blank=True, related_name="memberships"
+    )
+    team = models.ForeignKey(
+        Team, on_delete=models.CASCADE, null=True, blank=True, related_name="memberships"
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["user__username", "role"]
+        constraints = [
+            models.CheckConstraint(
+                condition=(
+                    Q(role=Role.OPERATOR, tenant__isnull=True, team__isnull=True)
+                    | Q(role=Role.TENANT_ADMIN, tenant__isnull=False, team__isnull=True)
+                    | Q(role__in=TEAM_ROLES, tenant__isnull=False, team__isnull=False)
+                ),
+                name="membership_scope_matches_role",
+                violation_error_message="An operator role has no tenant or team; a tenant admin role has a tenant and no team; a team role has a team.",
+            ),
+            models.UniqueConstraint(
+                fields=["user"],
+                condition=Q(role=Role.OPERATOR),
+                name="membership_one_operator_role",
+                violation_error_message="This user is already an operator.",
+            ),
+            models.UniqueConstraint(
+                fields=["user", "tenant"],
+                condition=Q(role=Role.TENANT_ADMIN),
+                name="membership_one_tenant_admin_role_per_tenant",
+                violation_error_message="This user is already a tenant admin of this tenant.",
+            ),
+            models.UniqueConstraint(
+                fields=["user", "team"],
+                condition=Q(team__isnull=False),
+                name="membership_one_role_per_team",
+                violation_error_message="This user already has a role in this team; change that membership instead.",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        scope = self.team or self.tenant or "platform"
+        return f"{self.user} is {self.get_role_display()} of {scope}"
+
+
+class Scope(models.TextChoices):
+    INFERENCE = "inference", "Inference (/v1)"
+    READ_USAGE = "read-usage", "Read usage"
+
+
+class ApiKey(models.Model):
+    """An agent's credential. Only an HMAC of the secret with the server pepper is stored.
+
+    The full key reads `ipk_<public_id>_<secret>`; `ipk_<public_id>` is the visible prefix shown in lists.
+    """
+
+    team = models.ForeignKey(Team, on_delete=models.PROTECT, related_name="api_keys")
+    name = models.CharField(max_length=200)
+    public_id = models.CharField(max_length=16, unique=True, editable=False)
+    secret_hmac = models.CharField(max_length=64, editable=False)
+    scopes = ArrayField(models.CharField(max_length=20, choices=Scope.choices), default=list)
+    expires_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True, related_name="+"
+    )
+    created_at = models.DateTimeField(default=timezone.now, editable=False)
+
+    class Meta:
+        ordering = ["-created_at"]
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(scopes__len__gte=1) & Q(scopes__contained_by=list(Scope.values)),
+                name="api_key_scopes_known_and_not_empty",
+                violation_error_message="Give at least one scope: inference, read-usage.",
+            ),
+            models.CheckConstraint(
+                condition=Q(expires_at__isnull=True) | Q(expires_at__gt=F("created_at")),
+                name="api_key_expires_after_creation",
+                violation_error_message="A key must expire after it was created.",
+            ),
+            models.CheckConstraint(
+                condition=Q(secret_hmac__regex=r"^[0-9a-f]{64}$"), name="api_key_hmac_is_sha256"
+            ),
+            models.UniqueConstraint(fields=["id", "team"], name="api_key_id_team_unique"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.prefix})"
+
+    @property
+    def prefix(self) -> str:
+        return f"{settings.API_KEY_PREFIX}_{self.public_id}"
+
+    @property
+    def is_active(self) -> bool:
+        now = timezone.now()
+        return self.revoked_at is None and (self.expires_at is None or self.expires_at > now)
+
+
+class BudgetPeriod(models.TextChoices):
+    DAY = "day", "Day"
+    WEEK = "week", "Week"
+    MONTH = "month", "Month"
+
+
+def _positive(field_name: str) -> Q:
+    return Q(**{f"{field_name}__isnull": True}) | Q(**{f"{field_name}__gt": 0})
+
+
+LIMIT_FIELDS = (
+    "requests_per_minute",
+    "input_tokens_per_minute",
+    "output_tokens_per_minute",
+    "max_concurrent_requests",
+    "token_budget",
+)
+
+
+class Quota(models.Model):
+    """Limits for a team, or for one of its keys when `api_key` is set. An empty limit means no limit.
+
+    Budgets reset at the start of each period in UTC: midnight, Monday, or the first of the month.
+    """
+
+    team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="quotas")
+    api_key = models.ForeignKey(
+        ApiKey, on_delete=models.CASCADE, null=True, blank=True, related_name="quotas"
+    )
+    requests_per_minute = models.PositiveIntegerField(null=True, blank=True)
+    input_tokens_per_minute = models.PositiveBigIntegerField(null=True, blank=True)
+    output_tokens_per_minute = models.PositiveBigIntegerField(null=True, blank=True)
+    max_concurrent_requests = models.PositiveIntegerField(null=True, blank=True)
+    budget_period = models.CharField(max_length=5, choices=BudgetPeriod.choices, default=BudgetPeriod.MONTH)
+    token_budget = models.PositiveBigIntegerField(null=True, blank=True, help_text="Tokens (input + output).")
+    spend_budget = models.DecimalField(
+        max_digits=14, decimal_places=4, null=True, blank=True, validators=[MinValueValidator(Decimal("0"))]
+    )
+    currency = models.CharField(max_length=3, default="USD", validators=[currency_validator])
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["team_id", "api_key_id"]
+        constraints = [
+            *[
+                models.CheckConstraint(
+                    condition=_positive(f),
+                    name=f"quota_{f}_positive",
+                    violation_error_message=f"{f} must be at least 1, or empty for no limit.",
+                )
+                for f in LIMIT_FIELDS
+            ],
+            models.CheckConstraint(
+                condition=Q(spend_budget__isnull=True) | Q(spend_budget__gte=0),
+                name="quota_spend_budget_not_negative",
+                violation_error_message="The spend budget cannot be negative.",
+            ),
+            models.CheckConstraint(
+                condition=Q(currency__regex=r"^[A-Z]{3}$"),
+                name="quota_currency_iso",
+                violation_error_message="Use a three-letter ISO 4217 currency code, such as USD.",
+            ),
+            models.UniqueConstraint(
+                fields=["team"],
+                condition=Q(api_key__isnull=True),
+                name="quota_one_per_team",
+                violation_error_message="This team already has a team-wide quota; change that one.",
+            ),
+            models.UniqueConstraint(fields=["api_key"], name="quota_one_per_key"),
+        ]
+
+    def __str__(self) -> str:
+        return f"Quota for {self.api_key or self.team}"
+
+    def period_bounds(self, at=None):
+        from .periods import period_bounds
+
+        return period_bounds(self.budget_period, at or timezone.now())
+
+    @property
+    def resets_at(self):
+        return self.period_bounds()[1]
+
+
+class PriceSheet(models.Model):
+    """Prices per million tokens for one served model, in force from `effective_from`.
+
+    A sheet with no tenant is the platform's list price; a tenant's own sheet overrides it.
+    """
+
+    served_model_name = models.CharField(max_length=200)
+    tenant = models.ForeignKey(
+        Tenant, on_delete=models.CASCADE, null=True, blank=True, related_name="price_sheets"
+    )
+    effective_from = models.DateTimeField()
+    currency = models.CharField(max_length=3, default="USD", validators=[currency_validator])
+    input_per_mtok = models.DecimalField(max_digits=12, decimal_places=6, validators=[MinValueValidator(0)])
+    cached_input_per_mtok = models.DecimalField(
+        max_digits=12, decimal_places=6, validators=[MinValueValidator(0)]
+    )
+    output_per_mtok = models.DecimalField(max_digits=12, decimal_places=6, validators=[MinValueValidator(0)])
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["served_model_name", "-effective_from"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["served_model_name", "tenant", "effective_from"],
+                nulls_distinct=False,
+                name="price_sheet_unique_start",
+                violation_error_message="A price sheet for this model and tenant already starts at that time.",
+            ),
+            models.CheckConstraint(
+                condition=Q(input_per_mtok__gte=0, cached_input_per_mtok__gte=0, output_per_mtok__gte=0),
+                name="price_sheet_prices_not_negative",
+                violation_error_message="Prices cannot be negative.",
+            ),
+            models.CheckConstraint(
+                condition=Q(cached_input_per_mtok__lte=F("input_per_mtok")),
+                name="price_sheet_cached_not_above_input",
+                violation_error_message="Cached input cannot cost more than fresh input.",
+            ),
+            models.CheckConstraint(
+                condition=Q(currency__regex=r"^[A-Z]{3}$"),
+                name="price_sheet_currency_iso",
+                violation_error_message="Use a three-letter ISO 4217 currency code, such as USD.",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        who = self.tenant.slug if self.tenant_id else "list"
+        return f"{self.served_model_name} ({who}) from {self.effective_from:%Y-%m-%d}"
+
+
+class UsageStatus(models.TextChoices):
+    COMPLETED = "completed", "Completed"
+    FAILED = "failed", "Failed"
+    CANCELLED = "cancelled", "Cancelled"
+
+
+class UsageRecord(models.Model):
+    """One request's metered usage: the ledger that billing adds up. Written once per request id."""
+
+    request_id = models.CharField(max_length=64, unique=True)
+    tenant = models.ForeignKey(Tenant, on_delete=models.PROTECT, related_name="usage_records")
+    team = models.ForeignKey(Team, on_delete=models.PROTECT, related_name="usage_records")
+    api_key = models.ForeignKey(ApiKey, on_delete=models.PROTECT, related_name="usage_records")
+    deployment = models.ForeignKey(
+        "serving.ModelDeployment",
+        on_delete=models.SET_NULL,
+        null=True,
+        blank=True,
+        related_name="usage_records",
+    )
+    model = models.CharField(max_length=200, help_text="The served model name the client asked for.")
+    endpoint = models.CharField(max_length=255, blank=True, help_text="Address of the engine that served it.")
+    prompt_tokens = models.PositiveIntegerField(default=0)
+    cached_prompt_tokens = models.PositiveIntegerField(default=0)
+    output_tokens = models.PositiveIntegerField(default=0)
+    cost = models.DecimalField(max_digits=16, decimal_places=8, default=Decimal("0"))
+    currency = models.CharField(max_length=3, default="USD")
+    ttft_ms = models.PositiveIntegerField(null=True, blank=True)
+    latency_ms = models.PositiveIntegerField(null=True, blank=True)
+    status = models.CharField(max_length=10, choices=UsageStatus.choices)
+    created_at = models.DateTimeField(default=timezone.now, db_index=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        indexes = [
+            models.Index(fields=["tenant", "created_at"], name="usage_tenant_time"),
+            models.Index(fields=["team", "created_at"], name="usage_team_time"),
+            models.Index(fields=["api_key", "created_at"], name="usage_key_time"),
+            models.Index(fields=["model", "created_at"], name="usage_model_time"),
+        ]
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(cached_prompt_tokens__lte=F("prompt_tokens")),
+                name="usage_cached_within_prompt",
+                violation_error_message="Cached prompt tokens cannot exceed prompt tokens.",
+            ),
+            models.CheckConstraint(
+                condition=Q(cost__gte=0),
+                name="usage_cost_not_negative",
+                violation_error_message="Cost cannot be negative.",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return self.request_id
+
+
+class AuditLog(models.Model):
+    """One row per state change, written in the same transaction as the change. Never holds a secret."""
+
+    actor = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True, related_name="+"
+    )
+    actor_label = models.CharField(max_length=150, help_text="Who acted, kept if the user is deleted.")
+    tenant = models.ForeignKey(Tenant, on_delete=models.SET_NULL, null=True, blank=True, related_name="+")
+    action = models.CharField(max_length=64)
+    target_type = models.CharField(max_length=64)
+    target_id = models.CharField(max_length=64)
+    target_repr = models.CharField(max_length=255)
+    details = models.JSONField(default=dict, blank=True)
+    source = models.CharField(max_length=16, help_text="api, admin or system")
+    created_at = models.DateTimeField(default=timezone.now, db_index=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        indexes = [models.Index(fields=["tenant", "created_at"], name="audit_tenant_time")]
+
+    def __str__(self) -> str:
+        return f"{self.actor_label} {self.action} {self.target_type} {self.target_id}"
