@@ -8,6 +8,11 @@ from rest_framework import serializers
 
 
 class ModelCleanMixin:
+    def get_validators(self):
+        # The model's full_clean() checks unique constraints below, with their own messages; DRF's own
+        # unique-together validators would also make every field of a constraint required.
+        return []
+
     def validate(self, attrs):
         attrs = super().validate(attrs)
         model = self.Meta.model

@@ -199,12 +199,14 @@ class Quota(models.Model):
     api_key = models.ForeignKey(
         ApiKey, on_delete=models.CASCADE, null=True, blank=True, related_name="quotas"
     )
-    requests_per_minute = models.PositiveIntegerField(null=True, blank=True)
-    input_tokens_per_minute = models.PositiveBigIntegerField(null=True, blank=True)
-    output_tokens_per_minute = models.PositiveBigIntegerField(null=True, blank=True)
-    max_concurrent_requests = models.PositiveIntegerField(null=True, blank=True)
+    requests_per_minute = models.PositiveIntegerField(null=True, blank=True, validators=[MinValueValidator(1)])
+    input_tokens_per_minute = models.PositiveBigIntegerField(null=True, blank=True, validators=[MinValueValidator(1)])
+    output_tokens_per_minute = models.PositiveBigIntegerField(null=True, blank=True, validators=[MinValueValidator(1)])
+    max_concurrent_requests = models.PositiveIntegerField(null=True, blank=True, validators=[MinValueValidator(1)])
     budget_period = models.CharField(max_length=5, choices=BudgetPeriod.choices, default=BudgetPeriod.MONTH)
-    token_budget = models.PositiveBigIntegerField(null=True, blank=True, help_text="Tokens (input + output).")
+    token_budget = models.PositiveBigIntegerField(
+        null=True, blank=True, validators=[MinValueValidator(1)], help_text="Tokens (input + output)."
+    )
     spend_budget = models.DecimalField(
         max_digits=14, decimal_places=4, null=True, blank=True, validators=[MinValueValidator(Decimal("0"))]
     )

@@ -350,6 +350,7 @@ class Migration(migrations.Migration):
                     models.Q(
                         models.Q(("speculative_method", ""), _negated=True),
                         ("num_speculative_tokens__gte", 1),
+                        ("num_speculative_tokens__isnull", False),
                     ),
                     _connector="OR",
                 ),

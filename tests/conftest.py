@@ -1,0 +1,120 @@
+"""Shared fixtures. Tests run against the real PostgreSQL and Redis that `make test` provides."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from decimal import Decimal
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.utils import timezone
+from rest_framework.test import APIClient
+
+from routing.models import RoutingPolicy
+from serving.models import ModelDeployment, Pool
+from tenants.keys import IssuedKey, api_key_create
+from tenants.models import Membership, PriceSheet, Quota, Role, Scope, Team, Tenant, UsageRecord
+
+
+@dataclass
+class World:
+    """Two tenants with people in every role, so each route can be tried by someone who must be refused."""
+
+    tenant_a: Tenant
+    tenant_b: Tenant
+    team_a1: Team
+    team_a2: Team
+    team_b1: Team
+    operator: object
+    admin_a: object  # tenant admin of A
+    team_admin_a1: object
+    member_a1: object
+    admin_b: object  # tenant admin of B
+    key_a1: IssuedKey
+    key_a2: IssuedKey
+    key_b1: IssuedKey
+    quota_a1: Quota
+    quota_b1: Quota
+    price_list: PriceSheet
+    price_b: PriceSheet
+    deployment: ModelDeployment
+    policy: RoutingPolicy
+    usage_a1: UsageRecord
+    usage_b1: UsageRecord
+    membership_member_a1: Membership
+    membership_admin_b: Membership
+
+
+def make_user(username: str, role: str | None = None, *, tenant=None, team=None):
+    user = get_user_model().objects.create_user(username=username, password="pw-" + username + "-long-enough")
+    if role:
+        Membership.objects.create(user=user, role=role, tenant=tenant or (team.tenant if team else None), team=team)
+    return user
+
+
+def make_usage(key: IssuedKey, request_id: str, **fields) -> UsageRecord:
+    team = key.api_key.team
+    defaults = dict(
+        model="tiny-qwen", prompt_tokens=1000, cached_prompt_tokens=600, output_tokens=50,
+        cost=Decimal("0.00012"), status="completed",
+    )
+    return UsageRecord.objects.create(
+        request_id=request_id, tenant_id=team.tenant_id, team=team, api_key=key.api_key, **{**defaults, **fields}
+    )
+
+
+@pytest.fixture
+def world(db) -> World:
+    tenant_a = Tenant.objects.create(name="Acme", slug="acme")
+    tenant_b = Tenant.objects.create(name="Bolt", slug="bolt")
+    team_a1 = Team.objects.create(tenant=tenant_a, name="Agents", slug="agents")
+    team_a2 = Team.objects.create(tenant=tenant_a, name="Research", slug="research")
+    team_b1 = Team.objects.create(tenant=tenant_b, name="Bots", slug="bots")
+    operator = make_user("olive", Role.OPERATOR)
+    admin_a = make_user("alice", Role.TENANT_ADMIN, tenant=tenant_a)
+    team_admin_a1 = make_user("tom", Role.TEAM_ADMIN, team=team_a1)
+    member_a1 = make_user("mia", Role.MEMBER, team=team_a1)
+    admin_b = make_user("bob", Role.TENANT_ADMIN, tenant=tenant_b)
+    scopes = [Scope.INFERENCE, Scope.READ_USAGE]
+    key_a1 = api_key_create(team=team_a1, name="a1 agent", scopes=scopes, source="system")
+    key_a2 = api_key_create(team=team_a2, name="a2 agent", scopes=scopes, source="system")
+    key_b1 = api_key_create(team=team_b1, name="b1 agent", scopes=scopes, source="system")
+    deployment = ModelDeployment.objects.create(
+        name="tiny", served_model_name="tiny-qwen", model_source="models/tiny-qwen", engine_kind="sim"
+    )
+    Pool.objects.create(deployment=deployment, name="main", replicas=2)
+    start = timezone.now() - timedelta(days=1)
+    return World(
+        tenant_a=tenant_a, tenant_b=tenant_b, team_a1=team_a1, team_a2=team_a2, team_b1=team_b1,
+        operator=operator, admin_a=admin_a, team_admin_a1=team_admin_a1, member_a1=member_a1, admin_b=admin_b,
+        key_a1=key_a1, key_a2=key_a2, key_b1=key_b1,
+        quota_a1=Quota.objects.create(team=team_a1, requests_per_minute=60),
+        quota_b1=Quota.objects.create(team=team_b1, requests_per_minute=60),
+        price_list=PriceSheet.objects.create(
+            served_model_name="tiny-qwen", effective_from=start, input_per_mtok=Decimal("0.5"),
+            cached_input_per_mtok=Decimal("0.05"), output_per_mtok=Decimal("1.5"),
+        ),
+        price_b=PriceSheet.objects.create(
+            served_model_name="tiny-qwen", tenant=tenant_b, effective_from=start, input_per_mtok=Decimal("0.4"),
+            cached_input_per_mtok=Decimal("0.04"), output_per_mtok=Decimal("1.2"),
+        ),
+        deployment=deployment,
+        policy=RoutingPolicy.objects.create(deployment=deployment),
+        usage_a1=make_usage(key_a1, "req-a1"),
+        usage_b1=make_usage(key_b1, "req-b1"),
+        membership_member_a1=Membership.objects.get(user=member_a1),
+        membership_admin_b=Membership.objects.get(user=admin_b),
+    )
+
+
+@pytest.fixture
+def client_for():
+    """An API client signed in as the given user."""
+
+    def make(user) -> APIClient:
+        client = APIClient()
+        client.force_authenticate(user=user)
+        return client
+
+    return make
