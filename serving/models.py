@@ -156,7 +156,10 @@ class Pool(models.Model):
             models.CheckConstraint(
                 condition=(
                     Q(speculative_method="", num_speculative_tokens__isnull=True)
-                    | (~Q(speculative_method="") & Q(num_speculative_tokens__isnull=False, num_speculative_tokens__gte=1))
+                    | (
+                        ~Q(speculative_method="")
+                        & Q(num_speculative_tokens__isnull=False, num_speculative_tokens__gte=1)
+                    )
                 ),
                 name="pool_speculative_method_and_tokens_together",
                 violation_error_message="Speculative decoding needs both a method and num_speculative_tokens of at least 1, or neither.",

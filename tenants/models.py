@@ -199,10 +199,18 @@ class Quota(models.Model):
     api_key = models.ForeignKey(
         ApiKey, on_delete=models.CASCADE, null=True, blank=True, related_name="quotas"
     )
-    requests_per_minute = models.PositiveIntegerField(null=True, blank=True, validators=[MinValueValidator(1)])
-    input_tokens_per_minute = models.PositiveBigIntegerField(null=True, blank=True, validators=[MinValueValidator(1)])
-    output_tokens_per_minute = models.PositiveBigIntegerField(null=True, blank=True, validators=[MinValueValidator(1)])
-    max_concurrent_requests = models.PositiveIntegerField(null=True, blank=True, validators=[MinValueValidator(1)])
+    requests_per_minute = models.PositiveIntegerField(
+        null=True, blank=True, validators=[MinValueValidator(1)]
+    )
+    input_tokens_per_minute = models.PositiveBigIntegerField(
+        null=True, blank=True, validators=[MinValueValidator(1)]
+    )
+    output_tokens_per_minute = models.PositiveBigIntegerField(
+        null=True, blank=True, validators=[MinValueValidator(1)]
+    )
+    max_concurrent_requests = models.PositiveIntegerField(
+        null=True, blank=True, validators=[MinValueValidator(1)]
+    )
     budget_period = models.CharField(max_length=5, choices=BudgetPeriod.choices, default=BudgetPeriod.MONTH)
     token_budget = models.PositiveBigIntegerField(
         null=True, blank=True, validators=[MinValueValidator(1)], help_text="Tokens (input + output)."

@@ -49,18 +49,28 @@ class World:
 def make_user(username: str, role: str | None = None, *, tenant=None, team=None):
     user = get_user_model().objects.create_user(username=username, password="pw-" + username + "-long-enough")
     if role:
-        Membership.objects.create(user=user, role=role, tenant=tenant or (team.tenant if team else None), team=team)
+        Membership.objects.create(
+            user=user, role=role, tenant=tenant or (team.tenant if team else None), team=team
+        )
     return user
 
 
 def make_usage(key: IssuedKey, request_id: str, **fields) -> UsageRecord:
     team = key.api_key.team
     defaults = dict(
-        model="tiny-qwen", prompt_tokens=1000, cached_prompt_tokens=600, output_tokens=50,
-        cost=Decimal("0.00012"), status="completed",
+        model="tiny-qwen",
+        prompt_tokens=1000,
+        cached_prompt_tokens=600,
+        output_tokens=50,
+        cost=Decimal("0.00012"),
+        status="completed",
     )
     return UsageRecord.objects.create(
-        request_id=request_id, tenant_id=team.tenant_id, team=team, api_key=key.api_key, **{**defaults, **fields}
+        request_id=request_id,
+        tenant_id=team.tenant_id,
+        team=team,
+        api_key=key.api_key,
+        **{**defaults, **fields},
     )
 
 
@@ -86,18 +96,35 @@ def world(db) -> World:
     Pool.objects.create(deployment=deployment, name="main", replicas=2)
     start = timezone.now() - timedelta(days=1)
     return World(
-        tenant_a=tenant_a, tenant_b=tenant_b, team_a1=team_a1, team_a2=team_a2, team_b1=team_b1,
-        operator=operator, admin_a=admin_a, team_admin_a1=team_admin_a1, member_a1=member_a1, admin_b=admin_b,
-        key_a1=key_a1, key_a2=key_a2, key_b1=key_b1,
+        tenant_a=tenant_a,
+        tenant_b=tenant_b,
+        team_a1=team_a1,
+        team_a2=team_a2,
+        team_b1=team_b1,
+        operator=operator,
+        admin_a=admin_a,
+        team_admin_a1=team_admin_a1,
+        member_a1=member_a1,
+        admin_b=admin_b,
+        key_a1=key_a1,
+        key_a2=key_a2,
+        key_b1=key_b1,
         quota_a1=Quota.objects.create(team=team_a1, requests_per_minute=60),
         quota_b1=Quota.objects.create(team=team_b1, requests_per_minute=60),
         price_list=PriceSheet.objects.create(
-            served_model_name="tiny-qwen", effective_from=start, input_per_mtok=Decimal("0.5"),
-            cached_input_per_mtok=Decimal("0.05"), output_per_mtok=Decimal("1.5"),
+            served_model_name="tiny-qwen",
+            effective_from=start,
+            input_per_mtok=Decimal("0.5"),
+            cached_input_per_mtok=Decimal("0.05"),
+            output_per_mtok=Decimal("1.5"),
         ),
         price_b=PriceSheet.objects.create(
-            served_model_name="tiny-qwen", tenant=tenant_b, effective_from=start, input_per_mtok=Decimal("0.4"),
-            cached_input_per_mtok=Decimal("0.04"), output_per_mtok=Decimal("1.2"),
+            served_model_name="tiny-qwen",
+            tenant=tenant_b,
+            effective_from=start,
+            input_per_mtok=Decimal("0.4"),
+            cached_input_per_mtok=Decimal("0.04"),
+            output_per_mtok=Decimal("1.2"),
         ),
         deployment=deployment,
         policy=RoutingPolicy.objects.create(deployment=deployment),

@@ -4,6 +4,7 @@ API key with the `read-usage` scope, which may read its own team's usage and not
 from __future__ import annotations
 
 from django.conf import settings
+from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from rest_framework import exceptions
 from rest_framework.authentication import TokenAuthentication, get_authorization_header
 
@@ -62,3 +63,23 @@ def _bearer(request) -> str:
     if len(parts) == 2 and parts[0].lower() == b"bearer":
         return parts[1].decode(errors="replace")
     return ""
+
+
+class PersonalTokenScheme(OpenApiAuthenticationExtension):
+    target_class = BearerTokenAuthentication
+    name = "personalToken"
+
+    def get_security_definition(self, auto_schema):
+        return {"type": "http", "scheme": "bearer", "description": "A person's API token."}
+
+
+class ApiKeyScheme(OpenApiAuthenticationExtension):
+    target_class = ApiKeyAuthentication
+    name = "apiKey"
+
+    def get_security_definition(self, auto_schema):
+        return {
+            "type": "http",
+            "scheme": "bearer",
+            "description": "An API key with the read-usage scope (usage only).",
+        }

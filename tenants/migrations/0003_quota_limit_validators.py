@@ -5,35 +5,47 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('tenants', '0002_composite_foreign_keys'),
+        ("tenants", "0002_composite_foreign_keys"),
     ]
 
     operations = [
         migrations.AlterField(
-            model_name='quota',
-            name='input_tokens_per_minute',
-            field=models.PositiveBigIntegerField(blank=True, null=True, validators=[django.core.validators.MinValueValidator(1)]),
+            model_name="quota",
+            name="input_tokens_per_minute",
+            field=models.PositiveBigIntegerField(
+                blank=True, null=True, validators=[django.core.validators.MinValueValidator(1)]
+            ),
         ),
         migrations.AlterField(
-            model_name='quota',
-            name='max_concurrent_requests',
-            field=models.PositiveIntegerField(blank=True, null=True, validators=[django.core.validators.MinValueValidator(1)]),
+            model_name="quota",
+            name="max_concurrent_requests",
+            field=models.PositiveIntegerField(
+                blank=True, null=True, validators=[django.core.validators.MinValueValidator(1)]
+            ),
         ),
         migrations.AlterField(
-            model_name='quota',
-            name='output_tokens_per_minute',
-            field=models.PositiveBigIntegerField(blank=True, null=True, validators=[django.core.validators.MinValueValidator(1)]),
+            model_name="quota",
+            name="output_tokens_per_minute",
+            field=models.PositiveBigIntegerField(
+                blank=True, null=True, validators=[django.core.validators.MinValueValidator(1)]
+            ),
         ),
         migrations.AlterField(
-            model_name='quota',
-            name='requests_per_minute',
-            field=models.PositiveIntegerField(blank=True, null=True, validators=[django.core.validators.MinValueValidator(1)]),
+            model_name="quota",
+            name="requests_per_minute",
+            field=models.PositiveIntegerField(
+                blank=True, null=True, validators=[django.core.validators.MinValueValidator(1)]
+            ),
         ),
         migrations.AlterField(
-            model_name='quota',
-            name='token_budget',
-            field=models.PositiveBigIntegerField(blank=True, help_text='Tokens (input + output).', null=True, validators=[django.core.validators.MinValueValidator(1)]),
+            model_name="quota",
+            name="token_budget",
+            field=models.PositiveBigIntegerField(
+                blank=True,
+                help_text="Tokens (input + output).",
+                null=True,
+                validators=[django.core.validators.MinValueValidator(1)],
+            ),
         ),
     ]

@@ -107,7 +107,9 @@ ROUTES = {
         target=lambda w: w.deployment,
         patch={"max_model_len": 8192},
         create=lambda w: {
-            "name": "small", "served_model_name": "small-model", "model_source": "models/small",
+            "name": "small",
+            "served_model_name": "small-model",
+            "model_source": "models/small",
             "engine_kind": "sim",
         },
     ),
@@ -137,60 +139,51 @@ ROUTES = {
 #
 # route                       action      operator admin_a team_admin_a1 member_a1 admin_b
 MATRIX = [
-    ("tenants",                  "retrieve", 200,     200,    200,          200,      404),
-    ("tenants",                  "update",   200,     403,    403,          403,      404),
-    ("tenants",                  "delete",   409,     403,    403,          403,      404),
-    ("tenants",                  "create",   201,     403,    403,          403,      403),
-
-    ("teams",                    "retrieve", 200,     200,    200,          200,      404),
-    ("teams",                    "update",   200,     200,    403,          403,      404),
-    ("teams",                    "delete",   409,     409,    403,          403,      404),
-    ("teams",                    "create",   201,     201,    403,          403,      400),
-
-    ("memberships",              "retrieve", 200,     200,    200,          200,      404),
-    ("memberships",              "update",   200,     200,    200,          403,      404),
-    ("memberships",              "delete",   204,     204,    204,          403,      404),
-    ("memberships",              "create",   201,     201,    201,          403,      400),
-
-    ("keys",                     "retrieve", 200,     200,    200,          200,      404),
-    ("keys",                     "update",   200,     200,    200,          403,      404),
-    ("keys",                     "revoke",   200,     200,    200,          403,      404),
-    ("keys",                     "delete",   405,     405,    405,          405,      405),
-    ("keys",                     "create",   201,     201,    201,          403,      400),
-
-    ("quotas",                   "retrieve", 200,     200,    200,          200,      404),
-    ("quotas",                   "update",   200,     200,    403,          403,      404),
-    ("quotas",                   "delete",   204,     204,    403,          403,      404),
-    ("quotas",                   "create",   201,     201,    403,          403,      400),
-
-    ("price-sheets",             "retrieve", 200,     200,    200,          200,      200),
-    ("price-sheets",             "update",   200,     403,    403,          403,      403),
-    ("price-sheets",             "delete",   204,     403,    403,          403,      403),
-    ("price-sheets",             "create",   201,     403,    403,          403,      403),
-    ("price-sheets of tenant B", "retrieve", 200,     404,    404,          404,      200),
-    ("price-sheets of tenant B", "update",   200,     404,    404,          404,      403),
-    ("price-sheets of tenant B", "delete",   204,     404,    404,          404,      403),
-
-    ("deployments",              "retrieve", 200,     200,    200,          200,      200),
-    ("deployments",              "update",   200,     403,    403,          403,      403),
-    ("deployments",              "delete",   204,     403,    403,          403,      403),
-    ("deployments",              "create",   201,     403,    403,          403,      403),
-
-    ("routing-policies",         "retrieve", 200,     403,    403,          403,      403),
-    ("routing-policies",         "update",   200,     403,    403,          403,      403),
-    ("routing-policies",         "delete",   204,     403,    403,          403,      403),
-    ("routing-policies",         "create",   201,     403,    403,          403,      403),
-
-    ("usage",                    "retrieve", 200,     200,    200,          200,      404),
-    ("usage",                    "update",   405,     405,    405,          405,      405),
-    ("usage",                    "delete",   405,     405,    405,          405,      405),
-    ("usage",                    "create",   405,     405,    405,          405,      405),
-
+    ("tenants", "retrieve", 200, 200, 200, 200, 404),
+    ("tenants", "update", 200, 403, 403, 403, 404),
+    ("tenants", "delete", 409, 403, 403, 403, 404),
+    ("tenants", "create", 201, 403, 403, 403, 403),
+    ("teams", "retrieve", 200, 200, 200, 200, 404),
+    ("teams", "update", 200, 200, 403, 403, 404),
+    ("teams", "delete", 409, 409, 403, 403, 404),
+    ("teams", "create", 201, 201, 403, 403, 400),
+    ("memberships", "retrieve", 200, 200, 200, 200, 404),
+    ("memberships", "update", 200, 200, 200, 403, 404),
+    ("memberships", "delete", 204, 204, 204, 403, 404),
+    ("memberships", "create", 201, 201, 201, 403, 400),
+    ("keys", "retrieve", 200, 200, 200, 200, 404),
+    ("keys", "update", 200, 200, 200, 403, 404),
+    ("keys", "revoke", 200, 200, 200, 403, 404),
+    ("keys", "delete", 405, 405, 405, 405, 405),
+    ("keys", "create", 201, 201, 201, 403, 400),
+    ("quotas", "retrieve", 200, 200, 200, 200, 404),
+    ("quotas", "update", 200, 200, 403, 403, 404),
+    ("quotas", "delete", 204, 204, 403, 403, 404),
+    ("quotas", "create", 201, 201, 403, 403, 400),
+    ("price-sheets", "retrieve", 200, 200, 200, 200, 200),
+    ("price-sheets", "update", 200, 403, 403, 403, 403),
+    ("price-sheets", "delete", 204, 403, 403, 403, 403),
+    ("price-sheets", "create", 201, 403, 403, 403, 403),
+    ("price-sheets of tenant B", "retrieve", 200, 404, 404, 404, 200),
+    ("price-sheets of tenant B", "update", 200, 404, 404, 404, 403),
+    ("price-sheets of tenant B", "delete", 204, 404, 404, 404, 403),
+    ("deployments", "retrieve", 200, 200, 200, 200, 200),
+    ("deployments", "update", 200, 403, 403, 403, 403),
+    ("deployments", "delete", 204, 403, 403, 403, 403),
+    ("deployments", "create", 201, 403, 403, 403, 403),
+    ("routing-policies", "retrieve", 200, 403, 403, 403, 403),
+    ("routing-policies", "update", 200, 403, 403, 403, 403),
+    ("routing-policies", "delete", 204, 403, 403, 403, 403),
+    ("routing-policies", "create", 201, 403, 403, 403, 403),
+    ("usage", "retrieve", 200, 200, 200, 200, 404),
+    ("usage", "update", 405, 405, 405, 405, 405),
+    ("usage", "delete", 405, 405, 405, 405, 405),
+    ("usage", "create", 405, 405, 405, 405, 405),
     # Team admins and members have no audit trail: the rows of their tenant do not exist for them.
-    ("audit-log",                "retrieve", 200,     200,    404,          404,      404),
-    ("audit-log",                "update",   405,     405,    405,          405,      405),
-    ("audit-log",                "delete",   405,     405,    405,          405,      405),
-    ("audit-log",                "create",   405,     405,    405,          405,      405),
+    ("audit-log", "retrieve", 200, 200, 404, 404, 404),
+    ("audit-log", "update", 405, 405, 405, 405, 405),
+    ("audit-log", "delete", 405, 405, 405, 405, 405),
+    ("audit-log", "create", 405, 405, 405, 405, 405),
 ]
 
 
@@ -231,7 +224,11 @@ def test_it_applies_the_permission_matrix(world, client_for, route, action, acto
 
 @pytest.mark.parametrize(
     ("route", "action"),
-    [(route, action) for route, action, *codes in MATRIX if action in ("update", "delete") and codes[0] < 300],
+    [
+        (route, action)
+        for route, action, *codes in MATRIX
+        if action in ("update", "delete") and codes[0] < 300
+    ],
 )
 def test_it_really_makes_the_change_the_operator_asked_for(world, client_for, route, action):
     spec = ROUTES[route]
@@ -247,15 +244,20 @@ def test_it_really_makes_the_change_the_operator_asked_for(world, client_for, ro
 
 
 def _same(stored, sent) -> bool:
-    return Decimal(str(stored)) == Decimal(str(sent)) if isinstance(stored, Decimal | float) else stored == sent
+    return (
+        Decimal(str(stored)) == Decimal(str(sent)) if isinstance(stored, Decimal | float) else stored == sent
+    )
 
 
-@pytest.mark.parametrize(("route", "action", "actor"), [
-    (route, action, actor)
-    for route, action, *codes in MATRIX
-    for actor, code in zip(ACTORS, codes, strict=True)
-    if action in ("update", "delete", "revoke") and code in (403, 404, 405)
-])
+@pytest.mark.parametrize(
+    ("route", "action", "actor"),
+    [
+        (route, action, actor)
+        for route, action, *codes in MATRIX
+        for actor, code in zip(ACTORS, codes, strict=True)
+        if action in ("update", "delete", "revoke") and code in (403, 404, 405)
+    ],
+)
 def test_it_leaves_the_object_unchanged_when_refused(world, client_for, route, action, actor):
     target = ROUTES[route]["target"](world)
     before = type(target).objects.filter(pk=target.pk).values().get()
@@ -270,14 +272,32 @@ def test_it_leaves_the_object_unchanged_when_refused(world, client_for, route, a
 # route          operator                           admin_a                     team_admin_a1 / member_a1   admin_b
 LISTS = [
     ("tenants", ["tenant_a", "tenant_b"], ["tenant_a"], ["tenant_a"], ["tenant_a"], ["tenant_b"]),
-    ("teams", ["team_a1", "team_a2", "team_b1"], ["team_a1", "team_a2"], ["team_a1"], ["team_a1"],
-     ["team_b1"]),
-    ("memberships", list(ACTORS), ["admin_a", "team_admin_a1", "member_a1"], ["team_admin_a1", "member_a1"],
-     ["team_admin_a1", "member_a1"], ["admin_b"]),
+    (
+        "teams",
+        ["team_a1", "team_a2", "team_b1"],
+        ["team_a1", "team_a2"],
+        ["team_a1"],
+        ["team_a1"],
+        ["team_b1"],
+    ),
+    (
+        "memberships",
+        list(ACTORS),
+        ["admin_a", "team_admin_a1", "member_a1"],
+        ["team_admin_a1", "member_a1"],
+        ["team_admin_a1", "member_a1"],
+        ["admin_b"],
+    ),
     ("keys", ["key_a1", "key_a2", "key_b1"], ["key_a1", "key_a2"], ["key_a1"], ["key_a1"], ["key_b1"]),
     ("quotas", ["quota_a1", "quota_b1"], ["quota_a1"], ["quota_a1"], ["quota_a1"], ["quota_b1"]),
-    ("price-sheets", ["price_list", "price_b"], ["price_list"], ["price_list"], ["price_list"],
-     ["price_list", "price_b"]),
+    (
+        "price-sheets",
+        ["price_list", "price_b"],
+        ["price_list"],
+        ["price_list"],
+        ["price_list"],
+        ["price_list", "price_b"],
+    ),
     ("usage", ["usage_a1", "usage_b1"], ["usage_a1"], ["usage_a1"], ["usage_a1"], ["usage_b1"]),
 ]
 
@@ -394,7 +414,8 @@ def test_it_never_moves_a_team_to_another_tenant(world, client_for, actor):
 def test_it_refuses_a_team_admin_a_key_in_another_team(world, client_for, team):
     before = ApiKey.objects.count()
     response = client_for(world.team_admin_a1).post(
-        "/api/keys/", {"team": getattr(world, team).pk, "name": "sneaky", "scopes": ["inference"]},
+        "/api/keys/",
+        {"team": getattr(world, team).pk, "name": "sneaky", "scopes": ["inference"]},
         format="json",
     )
     assert response.status_code == 400
@@ -417,10 +438,17 @@ def test_it_ignores_read_only_fields_when_a_key_is_created(world, client_for):
     response = client_for(world.team_admin_a1).post(
         "/api/keys/",
         {
-            "team": world.team_a1.pk, "name": "new agent", "scopes": ["inference"],
-            "prefix": "ipk_chosenbyme", "public_id": "chosenbyme12", "secret_hmac": "0" * 64,
-            "revoked_at": timezone.now().isoformat(), "last_used_at": timezone.now().isoformat(),
-            "created_by": world.operator.username, "is_active": False, "key": "ipk_chosenbyme12_secret",
+            "team": world.team_a1.pk,
+            "name": "new agent",
+            "scopes": ["inference"],
+            "prefix": "ipk_chosenbyme",
+            "public_id": "chosenbyme12",
+            "secret_hmac": "0" * 64,
+            "revoked_at": timezone.now().isoformat(),
+            "last_used_at": timezone.now().isoformat(),
+            "created_by": world.operator.username,
+            "is_active": False,
+            "key": "ipk_chosenbyme12_secret",
         },
         format="json",
     )
@@ -443,8 +471,10 @@ def test_it_ignores_read_only_fields_when_a_key_is_changed(world, client_for):
     response = client_for(world.team_admin_a1).patch(
         f"/api/keys/{api_key.pk}/",
         {
-            "prefix": "ipk_chosenbyme", "revoked_at": timezone.now().isoformat(),
-            "created_by": world.team_admin_a1.username, "last_used_at": timezone.now().isoformat(),
+            "prefix": "ipk_chosenbyme",
+            "revoked_at": timezone.now().isoformat(),
+            "created_by": world.team_admin_a1.username,
+            "last_used_at": timezone.now().isoformat(),
             "created_at": (timezone.now() - timedelta(days=30)).isoformat(),
         },
         format="json",
@@ -453,15 +483,18 @@ def test_it_ignores_read_only_fields_when_a_key_is_changed(world, client_for):
     assert ApiKey.objects.filter(pk=api_key.pk).values().get() == before
 
 
-@pytest.mark.parametrize(("actor", "role", "scope"), [
-    ("team_admin_a1", Role.TENANT_ADMIN, "tenant_a"),
-    ("team_admin_a1", Role.OPERATOR, None),
-    ("team_admin_a1", Role.MEMBER, "team_a2"),  # not their team
-    ("team_admin_a1", Role.MEMBER, "team_b1"),
-    ("admin_a", Role.OPERATOR, None),
-    ("admin_a", Role.TENANT_ADMIN, "tenant_b"),
-    ("admin_a", Role.MEMBER, "team_b1"),
-])
+@pytest.mark.parametrize(
+    ("actor", "role", "scope"),
+    [
+        ("team_admin_a1", Role.TENANT_ADMIN, "tenant_a"),
+        ("team_admin_a1", Role.OPERATOR, None),
+        ("team_admin_a1", Role.MEMBER, "team_a2"),  # not their team
+        ("team_admin_a1", Role.MEMBER, "team_b1"),
+        ("admin_a", Role.OPERATOR, None),
+        ("admin_a", Role.TENANT_ADMIN, "tenant_b"),
+        ("admin_a", Role.MEMBER, "team_b1"),
+    ],
+)
 def test_it_refuses_to_grant_a_role_beyond_ones_own(world, client_for, actor, role, scope):
     _new_user(world)
     body = {"user": "nina", "role": role}
@@ -503,7 +536,9 @@ def test_it_never_moves_a_membership_to_another_user_or_scope(world, client_for)
     assert response.status_code == 200
     membership.refresh_from_db()
     assert (membership.user_id, membership.team_id, membership.tenant_id) == (
-        world.member_a1.pk, world.team_a1.pk, world.tenant_a.pk
+        world.member_a1.pk,
+        world.team_a1.pk,
+        world.tenant_a.pk,
     )
 
 
@@ -514,7 +549,9 @@ def test_it_lets_only_operators_create_or_change_price_sheets(world, client_for,
     body = {**_new_price_sheet(world), "tenant": own_tenant}
     assert client.post("/api/price-sheets/", body, format="json").status_code == 403
     assert client.post("/api/price-sheets/", {**body, "tenant": None}, format="json").status_code == 403
-    response = client.patch(f"/api/price-sheets/{world.price_list.pk}/", {"tenant": own_tenant}, format="json")
+    response = client.patch(
+        f"/api/price-sheets/{world.price_list.pk}/", {"tenant": own_tenant}, format="json"
+    )
     assert response.status_code == 403
     assert PriceSheet.objects.count() == 2
     world.price_list.refresh_from_db()
@@ -632,7 +669,9 @@ def test_it_lets_a_read_usage_key_read_its_teams_usage_only(world):
     assert response.status_code == 200 and response.json()["results"] == []
 
 
-@pytest.mark.parametrize("route", [route for route in ROUTES if route not in ("usage",) and "url" not in ROUTES[route]])
+@pytest.mark.parametrize(
+    "route", [route for route in ROUTES if route not in ("usage",) and "url" not in ROUTES[route]]
+)
 def test_it_refuses_a_key_everywhere_but_usage(world, route):
     client = _key_client(world.key_a1.secret)
     assert client.get(_url(route)).status_code == 403
@@ -649,7 +688,9 @@ def test_it_refuses_a_key_writing_usage_or_revoking_itself(world):
 
 
 def test_it_refuses_a_key_without_the_read_usage_scope(world):
-    issued = api_key_create(team=world.team_a1, name="inference only", scopes=[Scope.INFERENCE], source="system")
+    issued = api_key_create(
+        team=world.team_a1, name="inference only", scopes=[Scope.INFERENCE], source="system"
+    )
     assert _key_client(issued.secret).get("/api/usage/").status_code == 403
 
 

@@ -25,7 +25,12 @@ def audit_rows_during(fn):
         ("post", "/api/keys/{key_a1}/revoke/", None, "api_key.revoke"),
         ("patch", "/api/quotas/{quota_a1}/", {"requests_per_minute": 120}, "quota.update"),
         ("delete", "/api/quotas/{quota_a1}/", None, "quota.delete"),
-        ("post", "/api/memberships/", {"user": "bob", "role": "member", "team": "{team_a2}"}, "membership.create"),
+        (
+            "post",
+            "/api/memberships/",
+            {"user": "bob", "role": "member", "team": "{team_a2}"},
+            "membership.create",
+        ),
         ("patch", "/api/price-sheets/{price_list}/", {"output_per_mtok": "2.000000"}, "price_sheet.update"),
         ("patch", "/api/deployments/{deployment}/", {"max_model_len": 8192}, "deployment.update"),
         ("patch", "/api/routing-policies/{policy}/", {"mode": "least_loaded"}, "routing_policy.update"),
@@ -33,14 +38,22 @@ def audit_rows_during(fn):
 )
 def test_it_writes_one_audit_row_per_api_change(world, client_for, method, route, payload, action):
     ids = {
-        "tenant_a": world.tenant_a.pk, "team_a1": world.team_a1.pk, "team_a2": world.team_a2.pk,
+        "tenant_a": world.tenant_a.pk,
+        "team_a1": world.team_a1.pk,
+        "team_a2": world.team_a2.pk,
         "team_empty": Team.objects.create(tenant=world.tenant_a, name="Empty", slug="empty").pk,
-        "key_a1": world.key_a1.api_key.pk, "quota_a1": world.quota_a1.pk, "price_list": world.price_list.pk,
-        "deployment": world.deployment.pk, "policy": world.policy.pk,
+        "key_a1": world.key_a1.api_key.pk,
+        "quota_a1": world.quota_a1.pk,
+        "price_list": world.price_list.pk,
+        "deployment": world.deployment.pk,
+        "policy": world.policy.pk,
     }
     route = route.format(**ids)
     if payload:
-        payload = {k: (int(v.format(**ids)) if isinstance(v, str) and v.startswith("{") else v) for k, v in payload.items()}
+        payload = {
+            k: (int(v.format(**ids)) if isinstance(v, str) and v.startswith("{") else v)
+            for k, v in payload.items()
+        }
     client = client_for(world.operator)
     response, rows = audit_rows_during(lambda: getattr(client, method)(route, payload, format="json"))
     assert response.status_code in (200, 201, 204), response.content
@@ -54,7 +67,9 @@ def test_it_writes_one_audit_row_per_api_change(world, client_for, method, route
 
 def test_it_writes_no_audit_row_when_a_change_is_refused(world, client_for):
     response, rows = audit_rows_during(
-        lambda: client_for(world.operator).post("/api/teams/", {"tenant": world.tenant_a.pk, "name": "x", "slug": "agents"}, format="json")
+        lambda: client_for(world.operator).post(
+            "/api/teams/", {"tenant": world.tenant_a.pk, "name": "x", "slug": "agents"}, format="json"
+        )
     )
     assert response.status_code == 400
     assert rows == []
@@ -62,14 +77,18 @@ def test_it_writes_no_audit_row_when_a_change_is_refused(world, client_for):
 
 def test_it_writes_no_audit_row_for_an_update_that_changes_nothing(world, client_for):
     response, rows = audit_rows_during(
-        lambda: client_for(world.operator).patch(f"/api/teams/{world.team_a1.pk}/", {"name": "Agents"}, format="json")
+        lambda: client_for(world.operator).patch(
+            f"/api/teams/{world.team_a1.pk}/", {"name": "Agents"}, format="json"
+        )
     )
     assert response.status_code == 200 and rows == []
 
 
 def test_it_records_the_tenant_of_the_changed_object(world, client_for):
     _, rows = audit_rows_during(
-        lambda: client_for(world.admin_a).patch(f"/api/keys/{world.key_a1.api_key.pk}/", {"name": "n"}, format="json")
+        lambda: client_for(world.admin_a).patch(
+            f"/api/keys/{world.key_a1.api_key.pk}/", {"name": "n"}, format="json"
+        )
     )
     assert [row.tenant_id for row in rows] == [world.tenant_a.pk]
 
@@ -87,7 +106,8 @@ def admin_client(world):
 def test_it_shows_an_admin_created_key_once_and_audits_it_once(world, admin_client):
     response, rows = audit_rows_during(
         lambda: admin_client.post(
-            "/admin/tenants/apikey/add/", {"team": world.team_a1.pk, "name": "admin-made", "scopes": ["inference"]}
+            "/admin/tenants/apikey/add/",
+            {"team": world.team_a1.pk, "name": "admin-made", "scopes": ["inference"]},
         )
     )
     assert response.status_code == 200, response.content[:2000]

@@ -57,7 +57,9 @@ def test_it_refuses_a_revoked_or_expired_key(world):
 
     from django.utils import timezone
 
-    ApiKey.objects.filter(pk=world.key_a2.api_key.pk).update(expires_at=timezone.now() + timedelta(milliseconds=1))
+    ApiKey.objects.filter(pk=world.key_a2.api_key.pk).update(
+        expires_at=timezone.now() + timedelta(milliseconds=1)
+    )
     import time
 
     time.sleep(0.01)
@@ -66,7 +68,9 @@ def test_it_refuses_a_revoked_or_expired_key(world):
 
 def test_it_shows_the_secret_on_create_and_never_again(world, client_for):
     client = client_for(world.admin_a)
-    created = client.post("/api/keys/", {"team": world.team_a2.pk, "name": "k", "scopes": ["inference"]}, format="json")
+    created = client.post(
+        "/api/keys/", {"team": world.team_a2.pk, "name": "k", "scopes": ["inference"]}, format="json"
+    )
     assert created.status_code == 201
     body = created.json()
     assert body["key"].startswith(body["prefix"] + "_")
@@ -80,5 +84,7 @@ def test_it_shows_the_secret_on_create_and_never_again(world, client_for):
 
 
 def test_it_makes_distinct_keys(world):
-    keys = {api_key_create(team=world.team_a1, name=f"k{i}", scopes=[Scope.INFERENCE]).secret for i in range(20)}
+    keys = {
+        api_key_create(team=world.team_a1, name=f"k{i}", scopes=[Scope.INFERENCE]).secret for i in range(20)
+    }
     assert len(keys) == 20

@@ -1,0 +1,72 @@
+"""With no DATABASE_URL or REDIS_URL, the dev stack starts a real PostgreSQL and Redis and stops them after."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+PROBE = """
+import json, os, psycopg, redis, dj_database_url
+db = dj_database_url.parse(os.environ["DATABASE_URL"])
+with psycopg.connect(host=db["HOST"], port=db["PORT"], user=db["USER"], dbname=db["NAME"]) as conn:
+    version = conn.execute("SHOW server_version").fetchone()[0]
+    data_dir = conn.execute("SHOW data_directory").fetchone()[0]
+r = redis.Redis.from_url(os.environ["REDIS_URL"])
+r.set("probe", "1")
+print(json.dumps({"pg": version, "pgdata": data_dir, "redis": os.environ["REDIS_URL"], "ping": r.ping()}))
+"""
+
+
+def test_it_starts_real_postgres_and_redis_and_stops_them_after():
+    # Under the project (not /tmp/pytest-of-root, which the PostgreSQL system user cannot enter).
+    state = ROOT / ".local" / f"test-embedded-{uuid.uuid4().hex[:8]}"
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
+    env["PLATFORM_STATE_DIR"] = str(state)
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "inference_platform.devstack", "exec", "--", sys.executable, "-c", PROBE],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        assert result.returncode == 0, result.stderr
+        seen = json.loads(result.stdout.strip().splitlines()[-1])
+        assert seen["pg"].startswith("16") and seen["ping"] is True
+        assert Path(seen["pgdata"]).resolve() == (state / "pgdata").resolve()
+        # Both servers are gone once the command has finished.
+        assert not (state / "pgdata" / "postmaster.pid").exists()
+        port = int(seen["redis"].rsplit(":", 1)[1].split("/")[0])
+        with socket.socket() as sock:
+            assert sock.connect_ex(("127.0.0.1", port)) != 0
+    finally:
+        shutil.rmtree(state, ignore_errors=True)
+
+
+def test_it_passes_the_exit_code_of_the_command_through():
+    env = {**os.environ, "DATABASE_URL": os.environ["DATABASE_URL"], "REDIS_URL": os.environ["REDIS_URL"]}
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "inference_platform.devstack",
+            "exec",
+            "--",
+            sys.executable,
+            "-c",
+            "raise SystemExit(7)",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 7
