@@ -9,11 +9,8 @@ from rest_framework.views import exception_handler as drf_exception_handler
 
 def exception_handler(exc, context):
     if isinstance(exc, ProtectedError | RestrictedError):
-        blockers = (
-            sorted({obj._meta.verbose_name_plural for obj in exc.protected_objects})
-            if isinstance(exc, ProtectedError)
-            else sorted({obj._meta.verbose_name_plural for obj in exc.restricted_objects})
-        )
+        related = exc.protected_objects if isinstance(exc, ProtectedError) else exc.restricted_objects
+        blockers = sorted({str(obj._meta.verbose_name_plural) for obj in related})
         return Response(
             {
                 "detail": f"Cannot delete this: it still has {', '.join(blockers)}. Remove or move those first."

@@ -20,8 +20,18 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 VOCAB_SIZE = 4096
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS_MODULES = [
-    "argparse.py", "textwrap.py", "difflib.py", "json/decoder.py", "json/encoder.py", "email/message.py",
-    "http/client.py", "logging/__init__.py", "pathlib.py", "typing.py", "dataclasses.py", "functools.py",
+    "argparse.py",
+    "textwrap.py",
+    "difflib.py",
+    "json/decoder.py",
+    "json/encoder.py",
+    "email/message.py",
+    "http/client.py",
+    "logging/__init__.py",
+    "pathlib.py",
+    "typing.py",
+    "dataclasses.py",
+    "functools.py",
 ]
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -99,4 +109,8 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parent.parent / "models" / "tiny-qwen")
+    main(
+        Path(sys.argv[1])
+        if len(sys.argv) > 1
+        else Path(__file__).resolve().parent.parent / "models" / "tiny-qwen"
+    )

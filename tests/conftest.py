@@ -74,6 +74,12 @@ def make_usage(key: IssuedKey, request_id: str, **fields) -> UsageRecord:
     )
 
 
+@pytest.fixture(autouse=True)
+def _fast_password_hashing(settings):
+    """Tests sign up several people each; the production hasher would make the suite take minutes."""
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+
 @pytest.fixture
 def world(db) -> World:
     tenant_a = Tenant.objects.create(name="Acme", slug="acme")
