@@ -1,0 +1,228 @@
+"""`python -m serving.simulator`: serve a model folder with vLLM's command-line flags and interfaces."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+
+import aiohttp
+from aiohttp import web
+
+from .engine import Engine, Timing
+from .events import KVEventPublisher
+from .kv_cache import BlockPool
+from .metrics import EngineMetrics
+from .server import ServedModel, SideChannel, SimulatorApp, remote_puller
+from .tokenizer import ModelTokenizer
+
+log = logging.getLogger("serving.simulator")
+
+# vLLM flags that change nothing in a simulation; accepted so one command line serves either engine.
+IGNORED_VALUE_FLAGS = [
+    "--load-format",
+    "--dtype",
+    "--gpu-memory-utilization",
+    "--tensor-parallel-size",
+    "--data-parallel-size",
+    "--pipeline-parallel-size",
+    "--revision",
+    "--kv-cache-dtype",
+    "--speculative-config",
+    "--prefix-caching-hash-algo",
+    "--swap-space",
+    "--max-num-batched-tokens",
+]
+IGNORED_SWITCHES = [
+    "--enforce-eager",
+    "--enable-expert-parallel",
+    "--disable-log-requests",
+    "--trust-remote-code",
+    "--enable-chunked-prefill",
+    "--disable-log-stats",
+]
+
+
+def json_arg(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m serving.simulator", description=__doc__)
+    p.add_argument("--model", required=True, help="model folder (config and tokenizer)")
+    p.add_argument("--tokenizer", help="tokenizer folder; defaults to --model")
+    p.add_argument("--served-model-name", nargs="+", help="names clients use; defaults to --model")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument(
+        "--max-model-len", type=int, default=None, help="defaults to the model's max_position_embeddings"
+    )
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--enable-prompt-tokens-details", action="store_true")
+    p.add_argument("--kv-events-config", type=json_arg)
+    p.add_argument("--kv-transfer-config", type=json_arg)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None, help="KV cache capacity in blocks")
+    sim = p.add_argument_group("simulator")
+    sim.add_argument(
+        "--kv-cache-blocks", type=int, default=4096, help="KV capacity in blocks if not overridden"
+    )
+    sim.add_argument(
+        "--prefill-time-per-token", type=float, default=0.0, help="seconds per uncached prompt token"
+    )
+    sim.add_argument("--prefill-overhead", type=float, default=0.0, help="seconds per prefill")
+    sim.add_argument(
+        "--decode-time", type=float, default=0.0, help="seconds per output token, one sequence running"
+    )
+    sim.add_argument(
+        "--decode-time-per-seq",
+        type=float,
+        default=0.0,
+        help="extra seconds per output token for every other running sequence",
+    )
+    sim.add_argument(
+        "--kv-transfer-time-per-token",
+        type=float,
+        default=0.0,
+        help="seconds per token pulled from a prefill engine",
+    )
+    for flag in IGNORED_VALUE_FLAGS:
+        p.add_argument(flag, help=argparse.SUPPRESS)
+    for flag in IGNORED_SWITCHES:
+        p.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def max_model_len(args) -> int:
+    if args.max_model_len:
+        return args.max_model_len
+    try:
+        with open(os.path.join(args.model, "config.json")) as fh:
+            return int(json.load(fh).get("max_position_embeddings", 4096))
+    except (OSError, ValueError):
+        return 4096
+
+
+async def serve(args) -> None:
+    names = args.served_model_name or [args.model]
+    metrics = EngineMetrics(model_name=names[0])
+    publisher = None
+    events_config = None
+    if args.kv_events_config and args.kv_events_config.get("enable_kv_cache_events"):
+        events_config = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": "tcp://*:5557",
+            "replay_endpoint": None,
+            "buffer_steps": 10_000,
+            "hwm": 100_000,
+            "max_queue_size": 100_000,
+            "topic": "",
+            **args.kv_events_config,
+        }
+        publisher = KVEventPublisher(
+            events_config["endpoint"],
+            events_config["topic"],
+            events_config.get("replay_endpoint"),
+            events_config["buffer_steps"],
+            events_config["hwm"],
+        )
+        events_config["endpoint"] = publisher.endpoint
+        publisher.start()
+    pool = BlockPool(
+        args.num_gpu_blocks_override or args.kv_cache_blocks,
+        args.block_size,
+        on_stored=publisher.block_stored if publisher else None,
+        on_removed=publisher.block_removed if publisher else None,
+    )
+    session: aiohttp.ClientSession | None = None
+
+    def client() -> aiohttp.ClientSession:
+        nonlocal session
+        if session is None:
+            session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
+        return session
+
+    transfer = args.kv_transfer_config or {}
+    side_channel = None
+    if transfer.get("kv_connector") in ("NixlConnector", "MultiConnector"):
+        side_channel = (
+            os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1"),
+            int(os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600")),
+        )
+    tokenizer = ModelTokenizer(args.tokenizer or args.model)
+    engine = Engine(
+        pool=pool,
+        metrics=metrics,
+        max_num_seqs=args.max_num_seqs,
+        enable_prefix_caching=args.enable_prefix_caching,
+        timing=Timing(
+            args.prefill_time_per_token,
+            args.prefill_overhead,
+            args.decode_time,
+            args.decode_time_per_seq,
+            args.kv_transfer_time_per_token,
+        ),
+        output_pool=tokenizer.output_pool,
+        seed=args.seed,
+        engine_id=transfer.get("engine_id"),
+        side_channel=side_channel,
+        pull=remote_puller(client) if side_channel else None,
+        held_request_timeout=float(os.environ.get("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", "480")),
+    )
+    model = ServedModel(
+        names=names,
+        root=args.model,
+        max_model_len=max_model_len(args),
+        prompt_tokens_details=args.enable_prompt_tokens_details,
+        kv_events_config=events_config,
+    )
+    runner = web.AppRunner(
+        SimulatorApp(engine, tokenizer, model).app(), handler_cancellation=True, access_log=None
+    )
+    await runner.setup()
+    await web.TCPSite(runner, args.host, args.port, backlog=4096).start()
+    if side_channel:
+        side_runner = web.AppRunner(SideChannel(engine).app(), access_log=None)
+        await side_runner.setup()
+        await web.TCPSite(side_runner, side_channel[0], side_channel[1]).start()
+    log.info("simulator serving %s on http://%s:%d", ", ".join(names), args.host, args.port)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await runner.cleanup()
+    if session:
+        await session.close()
+    if publisher:
+        publisher.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = parser().parse_args(argv)
+    try:
+        import uvloop  # noqa: PLC0415  (faster event loop when installed)
+
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,194 @@
+"""A bounded KV cache of fixed-size blocks with prefix caching over full blocks and LRU eviction.
+
+Block hashes follow vLLM's default scheme (sha256 over a pickle of parent hash, block token ids and extra
+keys, seeded from PYTHONHASHSEED), so a block gets the same hash here as on a vLLM engine with the same seed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+MASK64 = (1 << 64) - 1
+
+
+def _sha256(value: object) -> bytes:
+    return hashlib.sha256(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+
+
+NONE_HASH = _sha256(os.environ.get("PYTHONHASHSEED") or "vllm-none-hash")
+
+
+def block_hashes(
+    token_ids: Sequence[int], block_size: int, parent: bytes | None = None, start: int = 0
+) -> list[bytes]:
+    """Chained hashes of the full blocks of `token_ids` from block index `start` on."""
+    hashes = []
+    for begin in range(start * block_size, len(token_ids) - block_size + 1, block_size):
+        parent = _sha256((parent or NONE_HASH, tuple(token_ids[begin : begin + block_size]), None))
+        hashes.append(parent)
+    return hashes
+
+
+def external_hash(block_hash: bytes) -> int:
+    """The 64-bit integer form vLLM puts in KV events (the low 64 bits of the digest)."""
+    return int.from_bytes(block_hash, "big") & MASK64
+
+
+@dataclass
+class _Block:
+    refs: int = 0
+
+
+@dataclass
+class Allocation:
+    """What one request holds: cached full blocks (by hash) and a count of private, not-yet-full blocks."""
+
+    hashes: list[bytes] = field(default_factory=list)
+    private_blocks: int = 0
+
+
+class BlockPool:
+    """Blocks of one tier. `on_stored` and `on_removed` receive events in vLLM's shapes."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        medium: str = "GPU",
+        on_stored: Callable[[dict], None] | None = None,
+        on_removed: Callable[[dict], None] | None = None,
+    ):
+        if num_blocks < 1:
+            raise ValueError("the KV cache needs at least one block")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.medium = medium
+        self._cached: dict[bytes, _Block] = {}
+        self._evictable: OrderedDict[bytes, None] = (
+            OrderedDict()
+        )  # cached blocks no request holds, oldest first
+        self._private = 0  # blocks held by requests that are not (yet) full and cached
+        self._on_stored = on_stored or (lambda event: None)
+        self._on_removed = on_removed or (lambda event: None)
+
+    # --- accounting ---------------------------------------------------------------------------------
+    @property
+    def free_blocks(self) -> int:
+        """Blocks that can be handed out now, evicting unreferenced cached blocks if need be."""
+        return self.num_blocks - self._private - (len(self._cached) - len(self._evictable))
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by running requests, as vLLM's kv_cache_usage_perc."""
+        return min(1.0, 1.0 - self.free_blocks / self.num_blocks)
+
+    @property
+    def cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def contains(self, block_hash: bytes) -> bool:
+        return block_hash in self._cached
+
+    def longest_prefix(self, hashes: Sequence[bytes]) -> int:
+        count = 0
+        for block_hash in hashes:
+            if block_hash not in self._cached:
+                break
+            count += 1
+        return count
+
+    # --- a request's life ---------------------------------------------------------------------------
+    def can_allocate(self, hit_blocks: Sequence[bytes], new_blocks: int) -> bool:
+        reclaimed_hits = sum(1 for h in hit_blocks if h in self._evictable)
+        return self.free_blocks - reclaimed_hits >= new_blocks
+
+    def acquire(self, hashes: Sequence[bytes], allocation: Allocation) -> None:
+        """Take a reference on cached blocks (a prefix hit)."""
+        for block_hash in hashes:
+            block = self._cached[block_hash]
+            if block.refs == 0:
+                self._evictable.pop(block_hash, None)
+            block.refs += 1
+            allocation.hashes.append(block_hash)
+
+    def allocate_private(self, count: int, allocation: Allocation, *, force: bool = False) -> bool:
+        """Reserve `count` blocks for tokens being computed. Evicts as needed; fails if full unless forced."""
+        if not self._make_room(count) and not force:
+            return False
+        self._private += count
+        allocation.private_blocks += count
+        return True
+
+    def commit_full_blocks(
+        self, hashes: Sequence[bytes], token_ids: Sequence[int], allocation: Allocation
+    ) -> None:
+        """Turn private blocks that are now full into cached blocks, and announce the new ones.
+
+        Consecutive new blocks go out as one BlockStored (parent hash, all their token ids), as vLLM does.
+        """
+        run: list[int] = []  # indexes into `hashes` of the current run of newly stored blocks
+        for index, block_hash in enumerate(hashes):
+            use = min(1, allocation.private_blocks)
+            allocation.private_blocks -= use
+            self._private -= use
+            block = self._cached.get(block_hash)
+            if block is None:
+                block = self._cached[block_hash] = _Block()
+                if run and run[-1] != index - 1:
+                    self._announce(hashes, token_ids, run, allocation)
+                    run = []
+                run.append(index)
+            elif block.refs == 0:
+                self._evictable.pop(block_hash, None)
+            block.refs += 1
+        if run:
+            self._announce(hashes, token_ids, run, allocation)
+        allocation.hashes.extend(hashes)
+
+    def _announce(self, hashes, token_ids, run: list[int], allocation: Allocation) -> None:
+        first = run[0]
+        parent = hashes[first - 1] if first > 0 else (allocation.hashes[-1] if allocation.hashes else None)
+        size = self.block_size
+        self._on_stored(
+            {
+                "block_hashes": [external_hash(hashes[i]) for i in run],
+                "parent_block_hash": external_hash(parent) if parent else None,
+                "token_ids": list(token_ids[first * size : (run[-1] + 1) * size]),
+                "block_size": size,
+                "medium": self.medium,
+            }
+        )
+
+    def release(self, allocation: Allocation) -> None:
+        """Drop a finished request's references. Its tail blocks become the first to be evicted."""
+        self._private -= allocation.private_blocks
+        allocation.private_blocks = 0
+        for block_hash in reversed(allocation.hashes):
+            block = self._cached.get(block_hash)
+            if block is None:
+                continue
+            block.refs -= 1
+            if block.refs == 0:
+                self._evictable[block_hash] = None
+        allocation.hashes.clear()
+
+    def clear(self) -> None:
+        for block_hash in list(self._evictable):
+            del self._cached[block_hash]
+        self._evictable.clear()
+
+    # --- eviction -----------------------------------------------------------------------------------
+    def _make_room(self, needed: int) -> bool:
+        unused = self.num_blocks - self._private - len(self._cached)
+        while unused < needed and self._evictable:
+            block_hash, _ = self._evictable.popitem(last=False)
+            del self._cached[block_hash]
+            unused += 1
+            self._on_removed({"block_hashes": [external_hash(block_hash)], "medium": self.medium})
+        return unused >= needed
