@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test install lint clean
+.PHONY: run test install engine-env lint clean
 
 $(STAMP): pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
@@ -18,8 +18,12 @@ install: $(STAMP)
 run: $(STAMP)
 	$(PY) -m inference_platform.devstack run
 
-## Run the whole test suite against real PostgreSQL and Redis.
-test: $(STAMP)
+## The engine's own environment (vLLM CPU build and NIXL); reused when already present.
+engine-env:
+	scripts/engine-env.sh
+
+## Run the whole test suite against real PostgreSQL, Redis and engines (simulator and vLLM).
+test: $(STAMP) engine-env
 	$(PY) -m inference_platform.devstack exec -- $(PY) -m pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)

@@ -345,8 +345,12 @@ class SimulatorApp:
         }
         if self.model.prompt_tokens_details:
             usage["prompt_tokens_details"] = {"cached_tokens": req.cached_tokens}
+            if null_details:
+                usage["prompt_tokens_details"].update(created_cache_tokens=None, multimodal_tokens=None)
         elif null_details:
             usage["prompt_tokens_details"] = None
+        if null_details:
+            usage["completion_tokens_details"] = None
         return usage
 
     def _running_usage(self, req: Request) -> dict:

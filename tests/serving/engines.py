@@ -1,0 +1,201 @@
+"""Start real engine processes for tests: the simulator, or vLLM (CPU build) from the engine environment."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import msgpack
+import zmq
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL_DIR = ROOT / "models" / "tiny-qwen"
+MODEL_NAME = "tiny-qwen"
+ENGINE_PYTHON = Path(os.environ.get("ENGINE_PYTHON", ROOT / ".venv-engine" / "bin" / "python"))
+LOG_DIR = ROOT / ".local" / "test-engines"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class RunningEngine:
+    kind: str
+    url: str
+    events_endpoint: str | None
+    process: subprocess.Popen
+    log_path: Path
+    side_channel_port: int | None = None
+    extra: dict = field(default_factory=dict)
+
+    def client(self, timeout: float = 60.0) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=timeout)
+
+    def metrics(self) -> dict[str, float]:
+        """The engine's /metrics, summed per metric name over label sets (without _created series)."""
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        values: dict[str, float] = {}
+        for line in text.splitlines():
+            if not line or line.startswith("#"):
+                continue
+            name_labels, _, value = line.rpartition(" ")
+            name = name_labels.split("{", 1)[0]
+            if name.endswith("_created"):
+                continue
+            values[name] = values.get(name, 0.0) + float(value)
+        return values
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def engine_flags(port: int, events_port: int | None, *, nixl_role: str | None = None) -> list[str]:
+    flags = [
+        "--model",
+        str(MODEL_DIR),
+        "--served-model-name",
+        MODEL_NAME,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        "4096",
+        "--block-size",
+        "128",
+        "--seed",
+        "0",
+        "--enable-prefix-caching",
+        "--enable-prompt-tokens-details",
+        "--load-format",
+        "dummy",
+    ]
+    if events_port is not None:
+        config = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{events_port}",
+            "topic": f"kv@127.0.0.1:{port}@{MODEL_NAME}",
+        }
+        flags += ["--kv-events-config", json.dumps(config)]
+    if nixl_role is not None:
+        transfer = {"kv_connector": "NixlConnector", "kv_role": nixl_role, "kv_buffer_device": "cpu"}
+        flags += ["--kv-transfer-config", json.dumps(transfer)]
+    return flags
+
+
+def start_engine(
+    kind: str,
+    *extra: str,
+    events: bool = True,
+    nixl_role: str | None = None,
+    wait: bool = True,
+    timeout: float = 400,
+) -> RunningEngine:
+    port = free_port()
+    events_port = free_port() if events else None
+    side_channel_port = free_port() if nixl_role else None
+    env = {**os.environ, "PYTHONHASHSEED": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    if nixl_role:
+        env.update(
+            {
+                "UCX_NET_DEVICES": "lo",
+                "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port),
+            }
+        )
+    if kind == "sim":
+        argv = [sys.executable, "-m", "serving.simulator"]
+    elif kind == "vllm":
+        argv = [str(ENGINE_PYTHON), "-m", "vllm.entrypoints.openai.api_server"]
+    else:
+        raise ValueError(kind)
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    log_path = LOG_DIR / f"{kind}-{port}.log"
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [*argv, *engine_flags(port, events_port, nixl_role=nixl_role), *extra],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    engine = RunningEngine(
+        kind,
+        f"http://127.0.0.1:{port}",
+        f"tcp://127.0.0.1:{events_port}" if events_port else None,
+        process,
+        log_path,
+        side_channel_port,
+    )
+    if wait:
+        wait_healthy(engine, timeout)
+    return engine
+
+
+def wait_healthy(engine: RunningEngine, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if engine.process.poll() is not None:
+            raise RuntimeError(
+                f"{engine.kind} engine exited with {engine.process.returncode}:\n{engine.log()[-3000:]}"
+            )
+        try:
+            if httpx.get(f"{engine.url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    engine.stop()
+    raise TimeoutError(f"{engine.kind} engine not healthy after {timeout}s:\n{engine.log()[-3000:]}")
+
+
+class EventSubscriber:
+    """A SUB socket connected to an engine's KV-event endpoint (the engine binds)."""
+
+    def __init__(self, endpoint: str):
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.SUB)
+        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sock.connect(endpoint)
+        time.sleep(0.3)  # let the subscription reach the publisher
+
+    def messages(self, timeout: float = 5.0, until=None) -> list[tuple[bytes, int, list]]:
+        """Collect (topic, seq, payload) until `until(collected)` is true or the timeout passes."""
+        got = []
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.sock.poll(100):
+                topic, seq, payload = self.sock.recv_multipart()
+                got.append((topic, int.from_bytes(seq, "big"), msgpack.unpackb(payload, raw=False)))
+                if until and until(got):
+                    break
+        return got
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+
+
+def events_of(messages) -> list[dict]:
+    return [event for _, _, payload in messages for event in payload[1]]
