@@ -119,6 +119,26 @@ CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_ALWAYS_EAGER = env_bool("CELERY_TASK_ALWAYS_EAGER", False)
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# Every deployment is reconciled this often, whatever changed; a change also enqueues its own reconcile.
+RECONCILE_INTERVAL_S = env_int("RECONCILE_INTERVAL_S", 5)
+CELERY_BEAT_SCHEDULE = {
+    "reconcile-all-deployments": {
+        "task": "serving.tasks.reconcile_all",
+        "schedule": RECONCILE_INTERVAL_S,
+        "options": {"expires": RECONCILE_INTERVAL_S},
+    },
+}
+
+# Local engines (the `local` orchestrator).
+ENGINE_PYTHON = Path(env_secret("ENGINE_PYTHON") or BASE_DIR / ".venv-engine" / "bin" / "python")
+# `dummy` makes vLLM start from a model folder without weights: no model hub is reachable here.
+LOCAL_ENGINE_LOAD_FORMAT = env_secret("LOCAL_ENGINE_LOAD_FORMAT") or "dummy"
+ENGINE_HEALTH_TIMEOUT_S = 1.0
+# Real vLLM on 2 CPU cores needs about 85-140 s to turn healthy.
+ENGINE_STARTUP_TIMEOUT_S = env_int("ENGINE_STARTUP_TIMEOUT_S", 300)
+ENGINE_STOP_GRACE_S = env_int("ENGINE_STOP_GRACE_S", 10)
+ENGINE_RESTART_BACKOFF_S = env_int("ENGINE_RESTART_BACKOFF_S", 2)
+ENGINE_RESTART_BACKOFF_MAX_S = env_int("ENGINE_RESTART_BACKOFF_MAX_S", 300)
 
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},

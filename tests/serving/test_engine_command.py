@@ -1,0 +1,170 @@
+"""The engine command line: vLLM's flag names for both engine kinds, and nothing rendered wrongly."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from django.conf import settings
+
+from serving.engine_command import EnginePorts, UnsupportedEngineOption, render_engine_command
+from serving.models import ModelDeployment, Pool
+
+PORTS = EnginePorts(http=8100, kv_events=5557, side_channel=5600)
+
+
+def deployment(**fields) -> ModelDeployment:
+    defaults = dict(
+        name="tiny",
+        served_model_name="tiny-qwen",
+        model_source="models/tiny-qwen",
+        engine_kind="vllm",
+        max_model_len=4096,
+        block_size=128,
+    )
+    return ModelDeployment(**{**defaults, **fields})
+
+
+def pool(**fields) -> Pool:
+    return Pool(**{"name": "main", "max_num_seqs": 64, **fields})
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_it_renders_the_vllm_command_line():
+    command = render_engine_command(deployment=deployment(), pool=pool(), ports=PORTS)
+    model_dir = str(Path(settings.BASE_DIR) / "models" / "tiny-qwen")
+    events = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": "tcp://*:5557",
+        "topic": "kv@127.0.0.1:8100@tiny-qwen",
+    }
+    assert command.argv == [
+        str(settings.ENGINE_PYTHON),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model_dir,
+        "--served-model-name",
+        "tiny-qwen",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "8100",
+        "--max-model-len",
+        "4096",
+        "--block-size",
+        "128",
+        "--max-num-seqs",
+        "64",
+        "--enable-prefix-caching",
+        "--enable-prompt-tokens-details",
+        "--load-format",
+        "dummy",
+        "--kv-events-config",
+        json.dumps(events, separators=(",", ":")),
+    ]
+    assert command.env == {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONHASHSEED": "0"}
+
+
+def test_it_runs_the_simulator_with_the_same_flags():
+    vllm = render_engine_command(deployment=deployment(), pool=pool(), ports=PORTS)
+    sim = render_engine_command(deployment=deployment(engine_kind="sim"), pool=pool(), ports=PORTS)
+    assert sim.argv[:3] == [sys.executable, "-m", "serving.simulator"]
+    assert sim.argv[3:] == vllm.argv[3:]
+    assert sim.env == vllm.env
+
+
+def test_it_leaves_out_what_is_switched_off(settings):
+    settings.LOCAL_ENGINE_LOAD_FORMAT = ""
+    argv = render_engine_command(
+        deployment=deployment(model_source="Qwen/Qwen3-0.6B"),
+        pool=pool(enable_prefix_caching=False, enable_kv_events=False),
+        ports=EnginePorts(http=8100),
+    ).argv
+    assert "--no-enable-prefix-caching" in argv and "--enable-prefix-caching" not in argv
+    assert "--load-format" not in argv and "--kv-events-config" not in argv
+    assert "--kv-transfer-config" not in argv and "--tensor-parallel-size" not in argv
+    assert flag(argv, "--model") == "Qwen/Qwen3-0.6B"  # a hub id is not a local path
+
+
+@pytest.mark.parametrize(
+    "role, kv_role", [("prefill", "kv_producer"), ("decode", "kv_consumer"), ("both", "kv_both")]
+)
+def test_it_renders_the_nixl_connector_per_role(role, kv_role):
+    command = render_engine_command(
+        deployment=deployment(), pool=pool(role=role, kv_connector="NixlConnector"), ports=PORTS
+    )
+    assert json.loads(flag(command.argv, "--kv-transfer-config")) == {
+        "kv_connector": "NixlConnector",
+        "kv_role": kv_role,
+        "kv_buffer_device": "cpu",
+    }
+    assert command.env == {
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "PYTHONHASHSEED": "0",
+        "UCX_NET_DEVICES": "lo",
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": "5600",
+    }
+
+
+def test_it_renders_parallelism_and_extra_args_last():
+    argv = render_engine_command(
+        deployment=deployment(revision="abc123"),
+        pool=pool(tensor_parallel_size=2, extra_engine_args=["--enforce-eager"]),
+        ports=PORTS,
+    ).argv
+    assert flag(argv, "--tensor-parallel-size") == "2"
+    assert flag(argv, "--revision") == "abc123"
+    assert argv[-1] == "--enforce-eager"
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"kv_connector": "OffloadingConnector", "cpu_offload_bytes": 1 << 30},
+        {"kv_connector": "MultiConnector"},
+        {"speculative_method": "ngram", "num_speculative_tokens": 4},
+    ],
+)
+def test_it_refuses_what_it_cannot_render_yet(fields):
+    with pytest.raises(UnsupportedEngineOption):
+        render_engine_command(deployment=deployment(), pool=pool(**fields), ports=PORTS)
+
+
+def test_the_config_hash_follows_the_command():
+    one = render_engine_command(deployment=deployment(), pool=pool(), ports=PORTS)
+    same = render_engine_command(deployment=deployment(), pool=pool(), ports=PORTS)
+    other = render_engine_command(deployment=deployment(), pool=pool(max_num_seqs=8), ports=PORTS)
+    assert one.config_hash == same.config_hash != other.config_hash
+
+
+def test_the_simulator_accepts_every_flag_rendered():
+    """The full command parses in the simulator's own argument parser (it exits at --help after parsing)."""
+    command = render_engine_command(
+        deployment=deployment(engine_kind="sim", revision="r1", tokenizer="models/tiny-qwen"),
+        pool=pool(
+            kv_connector="NixlConnector", tensor_parallel_size=2, extra_engine_args=["--enforce-eager"]
+        ),
+        ports=PORTS,
+    )
+    code = (
+        "import sys; from serving.simulator.__main__ import parser; "
+        "parser().parse_args(sys.argv[1:]); print('parsed')"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, *command.argv[3:]],
+        cwd=settings.BASE_DIR,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "parsed"
