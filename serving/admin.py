@@ -3,6 +3,7 @@ from django.contrib import admin
 from tenants.admin_audit import AuditedAdmin
 from tenants.audit import snapshot
 
+from . import services
 from .models import Endpoint, ModelDeployment, Pool
 
 
@@ -43,7 +44,7 @@ class PoolInline(admin.StackedInline):
 class EndpointInline(admin.TabularInline):
     model = Endpoint
     extra = 0
-    fields = ["name", "url", "role", "health", "last_seen_at"]
+    fields = ["name", "url", "role", "health", "last_seen_at", "restart_count"]
     readonly_fields = fields
     can_delete = False
 
@@ -81,12 +82,25 @@ class ModelDeploymentAdmin(AuditedAdmin):
         data["pools"] = {pool.name: snapshot(pool) for pool in obj.pools.order_by("name")}
         return data
 
+    # The admin saves the deployment and its pools in one transaction; reconcile once it commits.
+    def save_model(self, request, obj, form, change):
+        super().save_model(request, obj, form, change)
+        services.deployment_changed(deployment_id=obj.pk)
+
+    def delete_model(self, request, obj):
+        super().delete_model(request, obj)
+        services.deployment_deleted()
+
+    def delete_queryset(self, request, queryset):
+        super().delete_queryset(request, queryset)
+        services.deployment_deleted()
+
 
 @admin.register(Endpoint)
 class EndpointAdmin(admin.ModelAdmin):
     """Endpoints are what the orchestrators found running; they are read here, not edited."""
 
-    list_display = ["name", "url", "role", "pool", "health", "last_seen_at"]
+    list_display = ["name", "url", "role", "pool", "health", "last_seen_at", "pid", "restart_count"]
     list_filter = ["health", "role", "pool__deployment"]
     search_fields = ["name", "url"]
     list_select_related = ["pool__deployment"]

@@ -199,6 +199,16 @@ class Endpoint(models.Model):
     kv_side_channel = models.CharField(max_length=255, blank=True, help_text="NIXL side channel host:port.")
     health = models.CharField(max_length=10, choices=Health.choices, default=Health.UNKNOWN)
     last_seen_at = models.DateTimeField(null=True, blank=True)
+    # Supervision of a local engine process (the local orchestrator fills these in).
+    pid = models.PositiveIntegerField(null=True, blank=True)
+    config_hash = models.CharField(
+        max_length=64, blank=True, help_text="Hash of the engine command it was started with."
+    )
+    started_at = models.DateTimeField(null=True, blank=True)
+    restart_count = models.PositiveIntegerField(default=0)
+    next_restart_at = models.DateTimeField(
+        null=True, blank=True, help_text="A crashed engine is not restarted before this time."
+    )
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:

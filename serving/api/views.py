@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+from django.db import transaction
 from django.db.models import Prefetch
 
 from inference_platform.api_base import AuditedModelViewSet
 from tenants.audit import snapshot
 
+from .. import services
 from ..models import ModelDeployment, Pool
 from .serializers import ModelDeploymentSerializer
 
@@ -34,3 +36,19 @@ class ModelDeploymentViewSet(AuditedModelViewSet):
         data = snapshot(instance)
         data["pools"] = {pool.name: snapshot(pool) for pool in instance.pools.order_by("name")}
         return data
+
+    # Every change is followed, once committed, by a reconcile of what runs.
+    def perform_create(self, serializer) -> None:
+        with transaction.atomic():
+            super().perform_create(serializer)
+            services.deployment_changed(deployment_id=serializer.instance.pk)
+
+    def perform_update(self, serializer) -> None:
+        with transaction.atomic():
+            super().perform_update(serializer)
+            services.deployment_changed(deployment_id=serializer.instance.pk)
+
+    def perform_destroy(self, instance) -> None:
+        with transaction.atomic():
+            super().perform_destroy(instance)
+            services.deployment_deleted()

@@ -1,0 +1,275 @@
+"""The local orchestrator against real simulator processes: start, scale, crash, change, stop, delete."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import quote
+
+import httpx
+import psutil
+import pytest
+from django.conf import settings
+from django.db import connection
+
+from serving import services
+from serving.models import Endpoint, Health, ModelDeployment, ObservedStatus, Pool
+from serving.orchestrators import processes
+from tenants.models import Role
+from tests.conftest import make_user
+
+
+def marked_processes(owner: str) -> list[psutil.Process]:
+    """Live processes that carry this platform instance's engine mark."""
+    found = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if proc.status() != psutil.STATUS_ZOMBIE and proc.environ().get(processes.MARK_OWNER) == owner:
+                found.append(proc)
+    return found
+
+
+def engine_pids(owner: str) -> set[int]:
+    return {proc.pid for proc in marked_processes(owner) if processes.is_leader(proc)}
+
+
+@pytest.fixture
+def owner(db, settings) -> str:
+    """This test's platform instance; every engine it leaves is killed at teardown, pass or fail."""
+    settings.ENGINE_RESTART_BACKOFF_S = 1
+    settings.ENGINE_STOP_GRACE_S = 5
+    mark = processes.owner_id()
+    yield mark
+    leftovers = marked_processes(mark)
+    for proc in leftovers:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(leftovers, timeout=10)
+
+
+@pytest.fixture
+def deployment(owner) -> ModelDeployment:
+    deployment = ModelDeployment.objects.create(
+        name="orch",
+        served_model_name="orch-qwen",
+        model_source="models/tiny-qwen",
+        engine_kind="sim",
+        max_model_len=2048,
+    )
+    Pool.objects.create(deployment=deployment, name="main", replicas=1, max_num_seqs=8)
+    return deployment
+
+
+def reconcile_until(deployment: ModelDeployment, status: str, timeout: float = 30) -> ModelDeployment:
+    deadline = time.monotonic() + timeout
+    while True:
+        services.deployment_reconcile(deployment_id=deployment.pk)
+        deployment.refresh_from_db()
+        if deployment.observed_status == status:
+            return deployment
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not {status} after {timeout} s: {deployment.status_message}")
+        time.sleep(0.3)
+
+
+def set_pool(deployment: ModelDeployment, **fields) -> None:
+    Pool.objects.filter(deployment=deployment, name="main").update(**fields)
+
+
+def endpoints(deployment: ModelDeployment) -> list[Endpoint]:
+    return list(Endpoint.objects.filter(pool__deployment=deployment).order_by("name"))
+
+
+def test_it_scales_up_and_down(deployment, owner):
+    reconcile_until(deployment, ObservedStatus.READY)
+    [first] = endpoints(deployment)
+    assert first.name == "orch-main-0" and first.health == Health.HEALTHY and first.last_seen_at
+    assert engine_pids(owner) == {first.pid}
+    assert httpx.get(f"{first.url}/health", timeout=5).status_code == 200
+    models = httpx.get(f"{first.url}/v1/models", timeout=5).json()
+    assert [model["id"] for model in models["data"]] == ["orch-qwen"]
+    assert first.kv_events_endpoint.startswith("tcp://127.0.0.1:")
+
+    set_pool(deployment, replicas=2)
+    reconcile_until(deployment, ObservedStatus.READY)
+    both = endpoints(deployment)
+    assert [e.name for e in both] == ["orch-main-0", "orch-main-1"]
+    assert both[0].pid == first.pid and both[0].url == first.url
+    assert engine_pids(owner) == {both[0].pid, both[1].pid}
+    assert httpx.get(f"{both[1].url}/v1/models", timeout=5).status_code == 200
+
+    set_pool(deployment, replicas=1)
+    reconcile_until(deployment, ObservedStatus.READY)
+    assert [e.name for e in endpoints(deployment)] == ["orch-main-0"]
+    assert engine_pids(owner) == {first.pid}
+    assert not psutil.pid_exists(both[1].pid) or both[1].pid not in engine_pids(owner)
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{both[1].url}/health", timeout=2)
+
+
+def test_a_killed_engine_is_seen_unhealthy_and_restarted(deployment, owner):
+    reconcile_until(deployment, ObservedStatus.READY)
+    [before] = endpoints(deployment)
+    os.kill(before.pid, signal.SIGKILL)
+    psutil.Process(before.pid).wait(timeout=5)
+
+    services.deployment_reconcile(deployment_id=deployment.pk)
+    [seen] = endpoints(deployment)
+    deployment.refresh_from_db()
+    assert seen.health == Health.UNHEALTHY
+    assert deployment.observed_status == ObservedStatus.PROGRESSING
+    assert "exited; restart in" in deployment.status_message
+
+    reconcile_until(deployment, ObservedStatus.READY)
+    [after] = endpoints(deployment)
+    assert after.health == Health.HEALTHY
+    assert after.restart_count == 1 and after.pid != before.pid and after.url == before.url
+    assert engine_pids(owner) == {after.pid}
+
+
+def test_reconciling_twice_changes_nothing(deployment, owner):
+    set_pool(deployment, replicas=2)
+    reconcile_until(deployment, ObservedStatus.READY)
+    volatile = {"health", "last_seen_at"}
+    fields = [f.attname for f in Endpoint._meta.concrete_fields if f.attname not in volatile]
+    rows = list(Endpoint.objects.order_by("pk").values(*fields))
+    pids = engine_pids(owner)
+
+    for _ in range(2):
+        result = services.deployment_reconcile(deployment_id=deployment.pk)
+        assert result.status == ObservedStatus.READY
+    assert list(Endpoint.objects.order_by("pk").values(*fields)) == rows
+    assert engine_pids(owner) == pids
+
+
+def test_changing_a_pool_option_restarts_its_engines(deployment, owner):
+    reconcile_until(deployment, ObservedStatus.READY)
+    [before] = endpoints(deployment)
+
+    set_pool(deployment, max_num_seqs=4)
+    reconcile_until(deployment, ObservedStatus.READY)
+    [after] = endpoints(deployment)
+    assert after.pid != before.pid and after.config_hash != before.config_hash
+    assert after.url == before.url and after.restart_count == 0
+    assert engine_pids(owner) == {after.pid}
+    cmdline = psutil.Process(after.pid).cmdline()
+    assert cmdline[cmdline.index("--max-num-seqs") + 1] == "4"
+
+
+def test_deleting_a_deployment_leaves_no_process_behind(deployment, owner):
+    reconcile_until(deployment, ObservedStatus.READY)
+    assert engine_pids(owner)
+
+    deployment.delete()
+    assert not Endpoint.objects.exists()
+    services.engines_sweep()
+    assert marked_processes(owner) == []
+
+
+def test_a_stopped_deployment_runs_nothing(deployment, owner):
+    set_pool(deployment, replicas=2)
+    reconcile_until(deployment, ObservedStatus.READY)
+    assert len(engine_pids(owner)) == 2
+
+    ModelDeployment.objects.filter(pk=deployment.pk).update(desired_status="stopped")
+    deployment = reconcile_until(deployment, ObservedStatus.STOPPED)
+    assert deployment.status_message == "Stopped."
+    assert marked_processes(owner) == [] and endpoints(deployment) == []
+
+
+def test_an_option_it_cannot_render_fails_clearly(deployment, owner):
+    set_pool(deployment, speculative_method="ngram", num_speculative_tokens=4)
+    deployment = reconcile_until(deployment, ObservedStatus.FAILED)
+    assert "speculative decoding" in deployment.status_message
+    assert marked_processes(owner) == []
+
+
+# --- through the API and a real Celery worker ----------------------------------------------------------
+
+
+def database_url_for_worker() -> str:
+    """The test database, as a URL the worker's settings read."""
+    db = connection.settings_dict
+    credentials = quote(db["USER"] or "", safe="")
+    if db["PASSWORD"]:
+        credentials += ":" + quote(db["PASSWORD"], safe="")
+    host = quote(db["HOST"] or "", safe="")
+    port = f":{db['PORT']}" if db["PORT"] else ""
+    return f"postgresql://{credentials}@{host}{port}/{db['NAME']}"
+
+
+@pytest.fixture
+def celery_worker(transactional_db, owner):
+    from inference_platform.celery import app
+
+    app.control.purge()
+    log_file = Path(settings.STATE_DIR) / "test-celery-worker.log"
+    with log_file.open("wb") as log:
+        worker = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "inference_platform",
+                "worker",
+                "--pool",
+                "solo",
+                "--without-heartbeat",
+                "--without-gossip",
+                "--without-mingle",
+                "--loglevel",
+                "INFO",
+            ],
+            env={**os.environ, "DATABASE_URL": database_url_for_worker()},
+            cwd=settings.BASE_DIR,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    yield log_file
+    worker.terminate()
+    try:
+        worker.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        worker.kill()
+        worker.wait()
+
+
+def test_a_deployment_made_through_the_api_is_started_by_the_worker(celery_worker, client_for, owner):
+    operator = make_user("ops", Role.OPERATOR)
+    response = client_for(operator).post(
+        "/api/deployments/",
+        {
+            "name": "via-api",
+            "served_model_name": "via-api-qwen",
+            "model_source": "models/tiny-qwen",
+            "engine_kind": "sim",
+            "pools": [{"name": "main", "replicas": 1, "max_num_seqs": 8}],
+        },
+        format="json",
+    )
+    assert response.status_code == 201, response.content
+    deployment = ModelDeployment.objects.get(pk=response.json()["id"])
+
+    deadline = time.monotonic() + 60
+    while deployment.observed_status != ObservedStatus.READY:
+        assert time.monotonic() < deadline, (
+            f"worker did not bring it up: {deployment.status_message}\n{celery_worker.read_text()[-3000:]}"
+        )
+        time.sleep(0.5)
+        deployment.refresh_from_db()
+    [endpoint] = endpoints(deployment)
+    assert endpoint.health == Health.HEALTHY and engine_pids(owner) == {endpoint.pid}
+    assert httpx.get(f"{endpoint.url}/v1/models", timeout=5).json()["data"][0]["id"] == "via-api-qwen"
+
+    # Deleting it through the API has the worker stop its engine.
+    assert client_for(operator).delete(f"/api/deployments/{deployment.pk}/").status_code == 204
+    deadline = time.monotonic() + 30
+    while marked_processes(owner):
+        assert time.monotonic() < deadline, "the worker left the engine running"
+        time.sleep(0.5)
