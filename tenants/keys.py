@@ -12,6 +12,8 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from inference_platform.config_version import bump_config_version_on_commit
+
 from .audit import audit_record, snapshot
 from .models import ApiKey, Team
 
@@ -81,6 +83,7 @@ def api_key_revoke(*, api_key: ApiKey, actor=None, source: str = "api") -> bool:
         if not updated:
             return False
         api_key.revoked_at = now
+        bump_config_version_on_commit()  # routers drop the key within their poll interval
         audit_record(
             actor=actor,
             action="api_key.revoke",

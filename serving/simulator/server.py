@@ -72,6 +72,7 @@ class SimulatorApp:
         app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/messages", self.messages)
         return app
 
     # --- small routes ---------------------------------------------------------------------------------
@@ -333,6 +334,103 @@ class SimulatorApp:
             await generator.aclose()
         return response
 
+    # --- Anthropic Messages API ---------------------------------------------------------------------------
+    async def messages(self, http: web.Request) -> web.StreamResponse:
+        """The Anthropic Messages API over the same engine, in the event format vLLM's /v1/messages streams."""
+        try:
+            body = await self._json(http)
+            model = self._check_model(body)
+            if not isinstance(body.get("max_tokens"), int):
+                raise ApiError(400, "max_tokens: Field required", param="max_tokens")
+            chat = {"messages": _anthropic_to_chat(body), "max_tokens": body["max_tokens"]}
+            prompt_ids = self._prompt_ids(chat, True)
+            max_tokens = self._max_tokens(chat, True, len(prompt_ids))
+        except ApiError as exc:
+            return web.json_response(exc.body(), status=exc.status)
+        message_id = f"chatcmpl-{http.headers.get('X-Request-Id') or uuid.uuid4().hex[:16]}"
+        req = Request(request_id=message_id, prompt_ids=prompt_ids, max_tokens=max_tokens)
+        if not body.get("stream"):
+            async for _ in self.engine.generate(req):
+                pass
+            return web.json_response(
+                {
+                    "id": message_id,
+                    "type": "message",
+                    "role": "assistant",
+                    "content": [{"type": "text", "text": self._detok(req.output_ids)}],
+                    "model": model,
+                    "stop_reason": "max_tokens",
+                    "stop_sequence": None,
+                    "usage": self._anthropic_usage(req),
+                },
+                dumps=_dumps,
+            )
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        await response.prepare(http)
+
+        async def event(name: str, data: dict) -> None:
+            await response.write(f"event: {name}\ndata: {_dumps(data)}\n\n".encode())
+
+        generator = self.engine.generate(req)
+        try:
+            await event(
+                "message_start",
+                {
+                    "type": "message_start",
+                    "message": {
+                        "id": message_id,
+                        "type": "message",
+                        "role": "assistant",
+                        "content": [],
+                        "model": model,
+                        "stop_reason": None,
+                        "stop_sequence": None,
+                        "usage": {"input_tokens": len(prompt_ids), "output_tokens": 0},
+                    },
+                },
+            )
+            started = False
+            async for token in generator:
+                if not started:
+                    started = True
+                    await event(
+                        "content_block_start",
+                        {
+                            "type": "content_block_start",
+                            "index": 0,
+                            "content_block": {"type": "text", "text": ""},
+                        },
+                    )
+                await event(
+                    "content_block_delta",
+                    {
+                        "type": "content_block_delta",
+                        "index": 0,
+                        "delta": {"type": "text_delta", "text": self._detok([token])},
+                    },
+                )
+            if started:
+                await event("content_block_stop", {"type": "content_block_stop", "index": 0})
+            await event(
+                "message_delta",
+                {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": "max_tokens", "stop_sequence": None},
+                    "usage": self._anthropic_usage(req),
+                },
+            )
+            await event("message_stop", {"type": "message_stop"})
+        finally:
+            await generator.aclose()
+        return response
+
+    def _anthropic_usage(self, req: Request) -> dict:
+        usage = {"input_tokens": len(req.prompt_ids), "output_tokens": len(req.output_ids)}
+        if self.model.prompt_tokens_details:
+            usage["input_tokens"] -= req.cached_tokens
+            usage["cache_read_input_tokens"] = req.cached_tokens
+        return usage
+
     # --- helpers ----------------------------------------------------------------------------------------
     def _usage(self, req: Request, *, null_details: bool) -> dict:
         """Usage as vLLM reports it; without --enable-prompt-tokens-details the details are null (full
@@ -503,3 +601,31 @@ def remote_puller(session_factory):
             ) from exc
 
     return pull
+
+
+def _anthropic_to_chat(body: dict) -> list[dict]:
+    """Anthropic system and messages as chat messages (text blocks joined; other blocks as their JSON)."""
+
+    def text_of(content) -> str:
+        if isinstance(content, str):
+            return content
+        if isinstance(content, list):
+            parts = []
+            for block in content:
+                if isinstance(block, dict) and block.get("type") == "text":
+                    parts.append(block.get("text", ""))
+                elif isinstance(block, dict) and block.get("type") == "tool_result":
+                    parts.append(text_of(block.get("content", "")))
+                else:
+                    parts.append(_dumps(block))
+            return "\n".join(parts)
+        raise ApiError(400, "Message content must be a string or a list of content blocks.", param="messages")
+
+    messages = []
+    if body.get("system"):
+        messages.append({"role": "system", "content": text_of(body["system"])})
+    for message in body.get("messages") or []:
+        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
+            raise ApiError(400, "Each message needs a role of user or assistant.", param="messages")
+        messages.append({"role": message["role"], "content": text_of(message.get("content", ""))})
+    return messages

@@ -1,0 +1,26 @@
+"""A shared counter in Redis that every router replica polls: bumping it makes them reload their caches."""
+
+from __future__ import annotations
+
+import functools
+
+from django.conf import settings
+from django.db import transaction
+
+CONFIG_VERSION_KEY = "platform:config:version"
+
+
+@functools.cache
+def _redis():
+    import redis
+
+    return redis.Redis.from_url(settings.REDIS_URL)
+
+
+def bump_config_version() -> None:
+    _redis().incr(CONFIG_VERSION_KEY)
+
+
+def bump_config_version_on_commit() -> None:
+    """Bump once the current transaction commits (at once outside a transaction)."""
+    transaction.on_commit(bump_config_version)

@@ -1,0 +1,245 @@
+"""Admission control in Redis, atomic across router replicas.
+
+One Lua script checks every limit of the team and of the key, and only if all pass records the request:
+requests, input and output tokens per minute (fixed one-minute windows), concurrent requests (a sorted set of
+request ids with deadlines, so a crashed router cannot leak slots), and token and spend budgets per period.
+Budgets are reserve-then-settle: admission reserves the worst case (an upper bound of the prompt plus
+`max_tokens`, and their cost), and settlement replaces the reservation with what was really used. Since
+reservations are upper bounds, concurrent requests can never push a budget over its limit.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from decimal import Decimal
+
+from tenants.periods import period_bounds
+
+from .state import Prices, QuotaInfo
+
+# Money is counted in Redis as integers of 1e-8 of the currency unit, the ledger's precision.
+MONEY_SCALE = Decimal("100000000")
+CONCURRENCY_DEADLINE_S = 900
+
+# KEYS: for each scope (team, then key when it has a quota of its own) seven keys:
+#   rpm, itpm, otpm, concurrency zset, token budget, spend budget, and a spare.
+# ARGV: now, request id, n_scopes, then per scope: rpm_limit, itpm_limit, otpm_limit, conc_limit, tok_limit,
+#   spend_limit, window_ttl, budget_ttl; then the request's: input_reserve, output_reserve, spend_reserve.
+# A limit of -1 means none. Returns {0, scope_index, limit_name, retry_after} when refused, else
+# {1, rpm_remaining, tokens_remaining} for the tightest scope.
+ADMIT = """
+local now = tonumber(ARGV[1])
+local request_id = ARGV[2]
+local n = tonumber(ARGV[3])
+local per = 8
+local base = 3 + n * per
+local input_reserve = tonumber(ARGV[base + 1])
+local output_reserve = tonumber(ARGV[base + 2])
+local spend_reserve = tonumber(ARGV[base + 3])
+local rpm_remaining = -1
+local tok_remaining = -1
+for s = 0, n - 1 do
+  local a = 3 + s * per
+  local k = s * 7
+  local rpm, itpm, otpm, conc = tonumber(ARGV[a+1]), tonumber(ARGV[a+2]), tonumber(ARGV[a+3]), tonumber(ARGV[a+4])
+  local tok, spend = tonumber(ARGV[a+5]), tonumber(ARGV[a+6])
+  local window_ttl, budget_ttl = tonumber(ARGV[a+7]), tonumber(ARGV[a+8])
+  if rpm >= 0 then
+    local used = tonumber(redis.call('GET', KEYS[k+1]) or '0')
+    if used + 1 > rpm then return {0, s, 'requests', window_ttl} end
+    if rpm_remaining < 0 or rpm - used - 1 < rpm_remaining then rpm_remaining = rpm - used - 1 end
+  end
+  if itpm >= 0 and tonumber(redis.call('GET', KEYS[k+2]) or '0') + input_reserve > itpm then
+    return {0, s, 'input_tokens', window_ttl}
+  end
+  if otpm >= 0 and tonumber(redis.call('GET', KEYS[k+3]) or '0') + output_reserve > otpm then
+    return {0, s, 'output_tokens', window_ttl}
+  end
+  if conc >= 0 then
+    redis.call('ZREMRANGEBYSCORE', KEYS[k+4], '-inf', now)
+    if redis.call('ZCARD', KEYS[k+4]) + 1 > conc then return {0, s, 'concurrency', 1} end
+  end
+  if tok >= 0 then
+    local used = tonumber(redis.call('GET', KEYS[k+5]) or '0')
+    if used + input_reserve + output_reserve > tok then return {0, s, 'token_budget', budget_ttl} end
+    if tok_remaining < 0 or tok - used < tok_remaining then tok_remaining = tok - used end
+  end
+  if spend >= 0 and tonumber(redis.call('GET', KEYS[k+6]) or '0') + spend_reserve > spend then
+    return {0, s, 'spend_budget', budget_ttl}
+  end
+end
+for s = 0, n - 1 do
+  local a = 3 + s * per
+  local k = s * 7
+  local window_ttl, budget_ttl = tonumber(ARGV[a+7]), tonumber(ARGV[a+8])
+  redis.call('INCR', KEYS[k+1]); redis.call('EXPIRE', KEYS[k+1], window_ttl + 60)
+  redis.call('INCRBY', KEYS[k+2], input_reserve); redis.call('EXPIRE', KEYS[k+2], window_ttl + 60)
+  redis.call('INCRBY', KEYS[k+3], output_reserve); redis.call('EXPIRE', KEYS[k+3], window_ttl + 60)
+  redis.call('ZADD', KEYS[k+4], now + DEADLINE, request_id); redis.call('EXPIRE', KEYS[k+4], DEADLINE)
+  redis.call('INCRBY', KEYS[k+5], input_reserve + output_reserve); redis.call('EXPIRE', KEYS[k+5], budget_ttl + 3600)
+  redis.call('INCRBY', KEYS[k+6], spend_reserve); redis.call('EXPIRE', KEYS[k+6], budget_ttl + 3600)
+end
+return {1, rpm_remaining, tok_remaining}
+""".replace("DEADLINE", str(CONCURRENCY_DEADLINE_S))
+
+# KEYS as for ADMIT. ARGV: request id, n_scopes, input delta, output delta, spend delta.
+# The minute windows are only corrected while they are still the current ones (the keys name their minute).
+SETTLE = """
+local request_id = ARGV[1]
+local n = tonumber(ARGV[2])
+local d_in, d_out, d_spend = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+for s = 0, n - 1 do
+  local k = s * 7
+  if redis.call('EXISTS', KEYS[k+2]) == 1 then redis.call('INCRBY', KEYS[k+2], d_in) end
+  if redis.call('EXISTS', KEYS[k+3]) == 1 then redis.call('INCRBY', KEYS[k+3], d_out) end
+  redis.call('ZREM', KEYS[k+4], request_id)
+  if redis.call('EXISTS', KEYS[k+5]) == 1 then redis.call('INCRBY', KEYS[k+5], d_in + d_out) end
+  if redis.call('EXISTS', KEYS[k+6]) == 1 then redis.call('INCRBY', KEYS[k+6], d_spend) end
+end
+return 1
+"""
+
+LIMIT_MESSAGES = {
+    "requests": "requests per minute",
+    "input_tokens": "input tokens per minute",
+    "output_tokens": "output tokens per minute",
+    "concurrency": "concurrent requests",
+    "token_budget": "token budget for this period",
+    "spend_budget": "spend budget for this period",
+}
+
+
+@dataclass
+class Reservation:
+    request_id: str
+    keys: list[str]
+    scopes: int
+    input_tokens: int
+    output_tokens: int
+    spend: int  # in 1e-8 units
+
+
+@dataclass
+class Decision:
+    admitted: bool
+    reservation: Reservation | None = None
+    scope: str = ""
+    limit: str = ""
+    retry_after: int = 0
+    headers: dict | None = None
+
+    @property
+    def message(self) -> str:
+        return f"Rate limit reached for this {self.scope}: {LIMIT_MESSAGES.get(self.limit, self.limit)}."
+
+
+def money_units(amount: Decimal) -> int:
+    return int((amount * MONEY_SCALE).to_integral_value())
+
+
+def cost_units(prices: Prices | None, prompt: int, cached: int, output: int) -> int:
+    if prices is None:
+        return 0
+    micro = (prompt - cached) * prices.input_per_mtok + cached * prices.cached_input_per_mtok
+    micro += output * prices.output_per_mtok
+    return math.ceil(micro * MONEY_SCALE / Decimal(1_000_000))
+
+
+class Admission:
+    def __init__(self, redis):
+        self.redis = redis
+        self._admit = redis.register_script(ADMIT)
+        self._settle = redis.register_script(SETTLE)
+
+    @staticmethod
+    def _scope_keys(kind: str, ident: int, quota: QuotaInfo, minute: int, budget_start: int) -> list[str]:
+        base = f"q:{kind}:{ident}"
+        return [
+            f"{base}:rpm:{minute}",
+            f"{base}:itpm:{minute}",
+            f"{base}:otpm:{minute}",
+            f"{base}:conc",
+            f"{base}:tok:{quota.budget_period}:{budget_start}",
+            f"{base}:spend:{quota.budget_period}:{budget_start}",
+            f"{base}:spare",
+        ]
+
+    async def admit(
+        self,
+        *,
+        request_id: str,
+        team_id: int,
+        key_id: int,
+        team_quota: QuotaInfo | None,
+        key_quota: QuotaInfo | None,
+        input_reserve: int,
+        output_reserve: int,
+        spend_reserve: int,
+    ) -> Decision:
+        scopes = [("team", team_id, team_quota), ("key", key_id, key_quota)]
+        scopes = [(kind, ident, quota) for kind, ident, quota in scopes if quota is not None]
+        reservation = Reservation(request_id, [], len(scopes), input_reserve, output_reserve, spend_reserve)
+        if not scopes:
+            return Decision(True, reservation)
+        now = time.time()
+        minute = int(now // 60)
+        window_ttl = 60 - int(now % 60)
+        args: list = [now, request_id, len(scopes)]
+        from datetime import UTC, datetime
+
+        for kind, ident, quota in scopes:
+            start, end = period_bounds(quota.budget_period, datetime.fromtimestamp(now, UTC))
+            reservation.keys += self._scope_keys(kind, ident, quota, minute, int(start.timestamp()))
+            args += [
+                _limit(quota.requests_per_minute),
+                _limit(quota.input_tokens_per_minute),
+                _limit(quota.output_tokens_per_minute),
+                _limit(quota.max_concurrent_requests),
+                _limit(quota.token_budget),
+                money_units(quota.spend_budget) if quota.spend_budget is not None else -1,
+                window_ttl,
+                max(1, int(end.timestamp() - now)),
+            ]
+        args += [input_reserve, output_reserve, spend_reserve]
+        result = await self._admit(keys=reservation.keys, args=args)
+        if result[0] == 1:
+            headers = {}
+            if result[1] >= 0:
+                headers["x-ratelimit-remaining-requests"] = str(result[1])
+            if result[2] >= 0:
+                headers["x-ratelimit-remaining-tokens"] = str(result[2])
+            return Decision(True, reservation, headers=headers)
+        scope_index, limit, retry_after = int(result[1]), result[2], int(result[3])
+        limit = limit.decode() if isinstance(limit, bytes) else limit
+        kind, _, quota = scopes[scope_index]
+        headers = {
+            "retry-after": str(max(1, retry_after)),
+            "x-ratelimit-reset-requests": f"{max(1, retry_after)}s",
+        }
+        if quota.requests_per_minute is not None:
+            headers["x-ratelimit-limit-requests"] = str(quota.requests_per_minute)
+        if quota.token_budget is not None:
+            headers["x-ratelimit-limit-tokens"] = str(quota.token_budget)
+        return Decision(False, scope=kind, limit=limit, retry_after=max(1, retry_after), headers=headers)
+
+    async def settle(
+        self, reservation: Reservation, *, input_tokens: int, output_tokens: int, spend: int
+    ) -> None:
+        if not reservation.scopes:
+            return
+        await self._settle(
+            keys=reservation.keys,
+            args=[
+                reservation.request_id,
+                reservation.scopes,
+                input_tokens - reservation.input_tokens,
+                output_tokens - reservation.output_tokens,
+                spend - reservation.spend,
+            ],
+        )
+
+
+def _limit(value) -> int:
+    return -1 if value is None else int(value)

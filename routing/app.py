@@ -1,0 +1,610 @@
+"""The data plane: an ASGI app serving /v1 for agents.
+
+authenticate the key -> admit (quotas, budgets) -> pick an endpoint -> stream the engine's answer through
+-> settle the reservation and emit one usage event. Django's request machinery stays off this path; the only
+state it reads per request is in memory (the snapshot) and in Redis (admission).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+
+import aiohttp
+import orjson
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from . import metrics
+from .admission import Admission, cost_units
+from .dialects import ANTHROPIC, OPENAI, RESPONSES, Dialect, Usage
+from .pipeline import EndpointLoad, Pipeline, RequestContext
+from .state import DeploymentInfo, KeyInfo, Snapshot, load_snapshot
+
+log = logging.getLogger(__name__)
+
+Send = Callable[[dict], Awaitable[None]]
+Receive = Callable[[], Awaitable[dict]]
+
+# path -> (dialect, whether the engine path is the same)
+GENERATION_ROUTES: dict[str, Dialect] = {
+    "/v1/chat/completions": OPENAI,
+    "/v1/completions": OPENAI,
+    "/v1/messages": ANTHROPIC,
+    "/v1/responses": RESPONSES,
+}
+CONFIG_VERSION_KEY = "platform:config:version"
+LOAD_KEY = "endpoint:load:{}"
+JSON_HEADERS = [(b"content-type", b"application/json")]
+SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
+
+
+class ClientGone(Exception):
+    pass
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.headers = status, message, param, headers or {}
+
+
+class Router:
+    """One replica's state: the snapshot, a Redis client, an HTTP client pool and the pipeline."""
+
+    def __init__(self):
+        self.snapshot = Snapshot()
+        self.loads: dict[int, EndpointLoad] = {}
+        self.pipeline = Pipeline()
+        self.redis = None
+        self.admission: Admission | None = None
+        self.session: aiohttp.ClientSession | None = None
+        self._started: asyncio.Future | None = None
+        self._refresher: asyncio.Task | None = None
+        self._snapshot_at = 0.0
+        self.max_body = settings.ROUTER_MAX_BODY_BYTES
+        self.max_messages = settings.ROUTER_MAX_MESSAGES
+        self.max_attempts = settings.ROUTER_MAX_ATTEMPTS
+        self.poll_interval = settings.ROUTER_CONFIG_POLL_SECONDS
+        self.snapshot_max_age = settings.ROUTER_SNAPSHOT_MAX_AGE
+        self.connect_timeout = settings.ROUTER_CONNECT_TIMEOUT
+        self.pepper = settings.API_KEY_PEPPER.encode()
+
+    # --- life cycle -----------------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._started is None:
+            self._started = asyncio.get_running_loop().create_future()
+            try:
+                import redis.asyncio as aioredis
+
+                self.redis = aioredis.Redis.from_url(settings.REDIS_URL)
+                self.admission = Admission(self.redis)
+                self.session = aiohttp.ClientSession(
+                    connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
+                    timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout),
+                    auto_decompress=False,
+                )
+                await self.refresh(force=True)
+                self._refresher = asyncio.get_running_loop().create_task(self._refresh_forever())
+                self._started.set_result(True)
+            except BaseException as exc:
+                self._started.set_exception(exc)
+                self._started = None
+                raise
+        else:
+            await self._started
+
+    async def stop(self) -> None:
+        if self._refresher:
+            self._refresher.cancel()
+        if self.session:
+            await self.session.close()
+        if self.redis:
+            await self.redis.aclose()
+
+    async def refresh(self, force: bool = False) -> None:
+        version = await self.redis.get(CONFIG_VERSION_KEY)
+        version = (version or b"0").decode()
+        stale = time.monotonic() - self._snapshot_at > self.snapshot_max_age
+        if force or stale or version != self.snapshot.version:
+            self.snapshot = await sync_to_async(load_snapshot, thread_sensitive=False)(version)
+            self._snapshot_at = time.monotonic()
+        await self._refresh_loads()
+
+    async def _refresh_loads(self) -> None:
+        endpoints = [e for d in self.snapshot.deployments.values() for e in d.endpoints]
+        if not endpoints:
+            return
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for endpoint in endpoints:
+                pipe.hgetall(LOAD_KEY.format(endpoint.id))
+            rows = await pipe.execute()
+        for endpoint, row in zip(endpoints, rows, strict=True):
+            load = self.loads.setdefault(endpoint.id, EndpointLoad())
+            load.running = float(row.get(b"running", 0))
+            load.waiting = float(row.get(b"waiting", 0))
+            load.kv_usage = float(row.get(b"kv_usage", 0))
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_interval)
+            try:
+                await self.refresh()
+            except Exception:
+                log.exception("could not refresh the router's snapshot; keeping the last one")
+
+    # --- the ASGI entry point ---------------------------------------------------------------------------
+    async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            return await self._lifespan(receive, send)
+        if scope["type"] != "http":
+            return
+        await self.start()
+        path, method = scope["path"], scope["method"]
+        dialect = GENERATION_ROUTES.get(path)
+        if dialect is not None:
+            if method != "POST":
+                return await _respond(send, 405, OPENAI.error_body(405, "Use POST."), JSON_HEADERS)
+            return await self.generate(scope, receive, send, dialect)
+        if path == "/v1/models" and method == "GET":
+            return await self.models(scope, send)
+        if path == "/metrics":
+            return await _respond(
+                send,
+                200,
+                generate_latest(metrics.registry),
+                [(b"content-type", CONTENT_TYPE_LATEST.encode())],
+            )
+        if path in ("/health", "/healthz"):
+            return await _respond(send, 200, b'{"status":"ok"}', JSON_HEADERS)
+        await _respond(
+            send, 404, OPENAI.error_body(404, f"No route {path}; this router serves /v1."), JSON_HEADERS
+        )
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.start()
+                except Exception as exc:  # report, so the server refuses to start
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.stop()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    # --- /v1/models -----------------------------------------------------------------------------------
+    async def models(self, scope: dict, send: Send) -> None:
+        try:
+            self.authenticate(scope, OPENAI)
+        except HttpError as exc:
+            return await _respond(send, exc.status, OPENAI.error_body(exc.status, exc.message), JSON_HEADERS)
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": d.created,
+                "owned_by": "inference-platform",
+                "max_model_len": d.max_model_len,
+            }
+            for name, d in sorted(self.snapshot.deployments.items())
+        ]
+        await _respond(send, 200, orjson.dumps({"object": "list", "data": data}), JSON_HEADERS)
+
+    # --- authentication ---------------------------------------------------------------------------------
+    def authenticate(self, scope: dict, dialect: Dialect) -> KeyInfo:
+        raw = None
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                parts = value.split(None, 1)
+                if len(parts) == 2 and parts[0].lower() == b"bearer":
+                    raw = parts[1].strip()
+            elif name == b"x-api-key":
+                raw = value.strip()
+        if not raw:
+            raise HttpError(401, "Missing API key: send `Authorization: Bearer <key>` or `x-api-key: <key>`.")
+        digest = hmac.new(self.pepper, raw, "sha256").hexdigest()
+        key = self.snapshot.keys.get(digest)
+        if key is None:
+            raise HttpError(401, "Invalid, expired or revoked API key.")
+        if key.expires_at is not None and key.expires_at <= datetime.now(UTC):
+            raise HttpError(401, "This API key has expired.")
+        if "inference" not in key.scopes:
+            raise HttpError(403, "This API key lacks the inference scope.")
+        return key
+
+    # --- generation -------------------------------------------------------------------------------------
+    async def generate(self, scope: dict, receive: Receive, send: Send, dialect: Dialect) -> None:
+        started = time.perf_counter()
+        request_id = uuid.uuid4().hex
+        try:
+            key = self.authenticate(scope, dialect)
+            body = await _read_body(receive, self.max_body)
+            payload = _parse(body)
+            deployment = self._deployment(payload)
+            input_bound, output_bound = self._validate(payload, deployment, dialect)
+        except HttpError as exc:
+            return await _respond(
+                send,
+                exc.status,
+                dialect.error_body(exc.status, exc.message, exc.param),
+                JSON_HEADERS + _headers(exc.headers),
+            )
+        except ClientGone:
+            return
+        stream = bool(payload.get("stream"))
+        client_wants_usage = bool((payload.get("stream_options") or {}).get("include_usage"))
+        if stream and dialect is OPENAI and not client_wants_usage:
+            payload["stream_options"] = {**(payload.get("stream_options") or {}), "include_usage": True}
+            body = orjson.dumps(payload)
+
+        snapshot = self.snapshot
+        prices = snapshot.prices_for(deployment.served_model_name, key.tenant_id, datetime.now(UTC))
+        decision = await self.admission.admit(
+            request_id=request_id,
+            team_id=key.team_id,
+            key_id=key.id,
+            team_quota=snapshot.team_quotas.get(key.team_id),
+            key_quota=snapshot.key_quotas.get(key.id),
+            input_reserve=input_bound,
+            output_reserve=output_bound,
+            spend_reserve=cost_units(prices, input_bound, 0, output_bound),
+        )
+        if not decision.admitted:
+            metrics.requests.labels(deployment.served_model_name, "", "429").inc()
+            return await _respond(
+                send,
+                429,
+                dialect.error_body(429, decision.message, code=decision.limit),
+                JSON_HEADERS + _headers(decision.headers),
+            )
+
+        exchange = Exchange(
+            self,
+            scope,
+            receive,
+            send,
+            dialect,
+            deployment,
+            key,
+            request_id,
+            body,
+            stream,
+            client_wants_usage,
+            started,
+            decision.headers or {},
+        )
+        try:
+            await exchange.run()
+        finally:
+            usage = exchange.usage
+            spend = cost_units(prices, usage.prompt_tokens, usage.cached_tokens, usage.output_tokens)
+            await asyncio.shield(self._finish(exchange, decision.reservation, usage, spend))
+
+    async def _finish(self, exchange: Exchange, reservation, usage: Usage, spend: int) -> None:
+        try:
+            await self.admission.settle(
+                reservation, input_tokens=usage.prompt_tokens, output_tokens=usage.output_tokens, spend=spend
+            )
+            await exchange.emit_usage()
+        except Exception:
+            log.exception("could not settle or meter request %s", exchange.request_id)
+
+    def _deployment(self, payload: dict) -> DeploymentInfo:
+        model = payload.get("model")
+        if not isinstance(model, str) or not model:
+            raise HttpError(400, "Name the model: `model` is required.", "model")
+        deployment = self.snapshot.deployments.get(model)
+        if deployment is None:
+            raise HttpError(
+                404, f"The model `{model}` does not exist. GET /v1/models lists the models served.", "model"
+            )
+        return deployment
+
+    def _validate(self, payload: dict, deployment: DeploymentInfo, dialect: Dialect) -> tuple[int, int]:
+        """Check limits and return upper bounds of the prompt's and the answer's tokens, for reservations."""
+        messages = payload.get("messages")
+        if messages is not None:
+            if not isinstance(messages, list) or not messages:
+                raise HttpError(400, "`messages` must be a non-empty list.", "messages")
+            if len(messages) > self.max_messages:
+                raise HttpError(
+                    400, f"Too many messages: {len(messages)}; the limit is {self.max_messages}.", "messages"
+                )
+        limit = deployment.max_model_len
+        max_tokens = payload.get(
+            "max_completion_tokens", payload.get("max_tokens", payload.get("max_output_tokens"))
+        )
+        if max_tokens is not None:
+            if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+                raise HttpError(400, "`max_tokens` must be a positive integer.", "max_tokens")
+            if max_tokens > limit:
+                raise HttpError(
+                    400,
+                    f"`max_tokens` is {max_tokens}, but the model's context is {limit} tokens. "
+                    "Ask for fewer output tokens.",
+                    "max_tokens",
+                )
+        elif dialect is ANTHROPIC:
+            raise HttpError(400, "`max_tokens` is required.", "max_tokens")
+        prompt_bound = _prompt_token_bound(payload)
+        return min(prompt_bound, limit), (max_tokens or limit)
+
+
+class Exchange:
+    """One request's trip to an engine and back, with retries, streaming and accounting."""
+
+    def __init__(
+        self,
+        router: Router,
+        scope,
+        receive,
+        send,
+        dialect: Dialect,
+        deployment: DeploymentInfo,
+        key: KeyInfo,
+        request_id: str,
+        body: bytes,
+        stream: bool,
+        client_wants_usage: bool,
+        started: float,
+        extra_headers: dict,
+    ):
+        self.router, self.scope, self.receive, self.send = router, scope, receive, send
+        self.dialect, self.deployment, self.key = dialect, deployment, key
+        self.request_id, self.body, self.stream = request_id, body, stream
+        self.client_wants_usage, self.started, self.extra_headers = client_wants_usage, started, extra_headers
+        self.usage = Usage()
+        self.status = "failed"
+        self.http_status = 502
+        self.endpoint_url = ""
+        self.endpoint_name = ""
+        self.first_byte_at: float | None = None
+        self.streamed_events = 0
+
+    @property
+    def model(self) -> str:
+        return self.deployment.served_model_name
+
+    async def run(self) -> None:
+        watcher = asyncio.get_running_loop().create_task(self._watch_disconnect(asyncio.current_task()))
+        try:
+            await self._attempts()
+        except asyncio.CancelledError:
+            if watcher.done() and not watcher.cancelled() and watcher.result():
+                self.status = "cancelled"
+                self.http_status = 499
+                return  # the client went away: nothing left to send
+            raise
+        finally:
+            watcher.cancel()
+            metrics.requests.labels(self.model, self.endpoint_name, str(self.http_status)).inc()
+            metrics.latency.labels(self.model, self.endpoint_name).observe(time.perf_counter() - self.started)
+            for kind, value in (
+                ("prompt", self.usage.prompt_tokens),
+                ("cached_prompt", self.usage.cached_tokens),
+                ("output", self.usage.output_tokens),
+            ):
+                if value:
+                    metrics.tokens.labels(self.model, self.endpoint_name, kind).inc(value)
+
+    async def _watch_disconnect(self, task: asyncio.Task) -> bool:
+        while True:
+            message = await self.receive()
+            if message["type"] == "http.disconnect":
+                task.cancel()
+                return True
+
+    async def _attempts(self) -> None:
+        tried: set[int] = set()
+        last_error = "no healthy endpoint serves this model"
+        for _ in range(self.router.max_attempts):
+            ctx = RequestContext(model=self.model, exclude=frozenset(tried))
+            candidate = self.router.pipeline.choose(self.deployment, ctx, self.router.loads)
+            if candidate is None:
+                break
+            endpoint = candidate.endpoint
+            tried.add(endpoint.id)
+            self.endpoint_url, self.endpoint_name = endpoint.url, endpoint.name
+            load = self.router.loads.setdefault(endpoint.id, EndpointLoad())
+            load.active += 1
+            try:
+                if await self._try(endpoint.url):
+                    return
+                last_error = f"engine {endpoint.name} answered {self.http_status}"
+            except (TimeoutError, aiohttp.ClientConnectionError) as exc:
+                last_error = f"could not reach engine {endpoint.name}: {exc.__class__.__name__}"
+                metrics.errors.labels(self.model, "connect").inc()
+            finally:
+                load.active -= 1
+        self.http_status = 503 if not tried else 502
+        metrics.errors.labels(self.model, "unavailable").inc()
+        await _respond(
+            self.send,
+            self.http_status,
+            self.dialect.error_body(
+                self.http_status, f"The model is unavailable right now ({last_error}). Retry shortly."
+            ),
+            JSON_HEADERS,
+        )
+
+    async def _try(self, base_url: str) -> bool:
+        """One attempt. False means: failed before anything reached the client, so another engine may serve it."""
+        headers = {"content-type": "application/json", "x-request-id": self.request_id}
+        sent_at = time.perf_counter()
+        async with self.router.session.post(
+            base_url + self.scope["path"], data=self.body, headers=headers
+        ) as resp:
+            metrics.added.labels(self.model).observe(sent_at - self.started)
+            if resp.status >= 500:
+                self.http_status = resp.status
+                await resp.read()
+                metrics.errors.labels(self.model, "upstream_5xx").inc()
+                return False
+            self.http_status = resp.status
+            if self.stream and resp.status == 200:
+                await self._relay_stream(resp)
+            else:
+                await self._relay_body(resp)
+        return True
+
+    async def _relay_body(self, resp: aiohttp.ClientResponse) -> None:
+        body = await resp.read()
+        self._first_byte()
+        if resp.status == 200:
+            try:
+                self.usage = self.dialect.usage_from_body(orjson.loads(body))
+            except orjson.JSONDecodeError:
+                pass
+            self.status = "completed"
+        await _respond(self.send, resp.status, body, self._response_headers(resp))
+
+    async def _relay_stream(self, resp: aiohttp.ClientResponse) -> None:
+        await self.send(
+            {"type": "http.response.start", "status": 200, "headers": self._response_headers(resp)}
+        )
+        buffer = b""
+        try:
+            async for chunk in resp.content.iter_any():
+                buffer += chunk
+                if b"\n\n" not in buffer:
+                    continue
+                *events, buffer = buffer.split(b"\n\n")
+                out = []
+                for event in events:
+                    usage = self.dialect.usage_from_event(event)
+                    if usage is not None:
+                        self.usage = usage
+                        if not self.client_wants_usage and self.dialect.is_usage_only_event(event):
+                            continue
+                    elif self.dialect.is_content_event(event):
+                        self.streamed_events += 1
+                    out.append(event + b"\n\n")
+                if out:
+                    self._first_byte()
+                    await self.send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
+        except (TimeoutError, aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+            # The engine died mid-stream: tell the client in its dialect, bill what was streamed.
+            metrics.errors.labels(self.model, "midstream").inc()
+            self.usage.output_tokens = max(self.usage.output_tokens, self.streamed_events)
+            self.status = "failed"
+            self.http_status = 502
+            await self.send(
+                {
+                    "type": "http.response.body",
+                    "more_body": False,
+                    "body": self.dialect.stream_error_event(
+                        502,
+                        f"The engine stopped in the middle of the answer ({exc.__class__.__name__}). "
+                        "The tokens received so far are billed; retry to get a full answer.",
+                    ),
+                }
+            )
+            return
+        if buffer.strip():
+            await self.send({"type": "http.response.body", "body": buffer, "more_body": True})
+        self.status = "completed"
+        await self.send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def _first_byte(self) -> None:
+        if self.first_byte_at is None:
+            self.first_byte_at = time.perf_counter()
+            metrics.ttft.labels(self.model, self.endpoint_name).observe(self.first_byte_at - self.started)
+
+    def _response_headers(self, resp: aiohttp.ClientResponse) -> list[tuple[bytes, bytes]]:
+        content_type = resp.headers.get("content-type", "application/json").encode()
+        headers = [(b"content-type", content_type), (b"x-request-id", self.request_id.encode())]
+        if self.stream:
+            headers.append((b"cache-control", b"no-cache"))
+        return headers + _headers(self.extra_headers)
+
+    async def emit_usage(self) -> None:
+        from tenants.usage_stream import UsageEvent, usage_event_emit
+
+        if self.status == "cancelled" or (self.status == "failed" and not self.usage.reported):
+            # Count what reached the client when the engine never reported usage.
+            self.usage.output_tokens = max(self.usage.output_tokens, self.streamed_events)
+        now = time.perf_counter()
+        event = UsageEvent(
+            request_id=self.request_id,
+            tenant_id=self.key.tenant_id,
+            team_id=self.key.team_id,
+            api_key_id=self.key.id,
+            deployment_id=self.deployment.id,
+            model=self.model,
+            endpoint=self.endpoint_url,
+            prompt_tokens=self.usage.prompt_tokens,
+            cached_prompt_tokens=min(self.usage.cached_tokens, self.usage.prompt_tokens),
+            output_tokens=self.usage.output_tokens,
+            ttft_ms=round((self.first_byte_at - self.started) * 1000) if self.first_byte_at else None,
+            latency_ms=round((now - self.started) * 1000),
+            status=self.status,
+            created_at=datetime.now(UTC),
+        )
+        await usage_event_emit(self.router.redis, event)
+
+
+def _prompt_token_bound(payload: dict) -> int:
+    """An upper bound of the prompt's tokens without tokenising: byte-level BPE tokens cover at least one byte
+    each, plus a few template tokens per message."""
+    prompt = payload.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return len(prompt)
+    total = 0
+    for part in (
+        prompt,
+        payload.get("messages"),
+        payload.get("system"),
+        payload.get("input"),
+        payload.get("tools"),
+    ):
+        if part is not None:
+            total += len(orjson.dumps(part)) if not isinstance(part, str) else len(part.encode())
+    messages = payload.get("messages")
+    return total + 8 * (len(messages) if isinstance(messages, list) else 1) + 16
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes:
+    chunks = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone()
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise HttpError(
+                413, f"The request body is over the limit of {limit} bytes. Send a shorter prompt."
+            )
+        chunks.append(chunk)
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+def _parse(body: bytes) -> dict:
+    try:
+        payload = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise HttpError(400, f"The request body is not valid JSON: {exc}") from None
+    if not isinstance(payload, dict):
+        raise HttpError(400, "The request body must be a JSON object.")
+    return payload
+
+
+def _headers(extra: dict | None) -> list[tuple[bytes, bytes]]:
+    return [(k.encode(), str(v).encode()) for k, v in (extra or {}).items()]
+
+
+async def _respond(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,63 @@
+"""The router's own Prometheus metrics. Labels: model, endpoint and status only, never a key."""
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+LATENCY_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    60,
+    120,
+    300,
+)
+ADDED_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+
+registry = CollectorRegistry()
+requests = Counter(
+    "router_requests",
+    "Requests by model, endpoint and HTTP status.",
+    ["model", "endpoint", "status"],
+    registry=registry,
+)
+errors = Counter(
+    "router_errors", "Requests that ended in an error, by kind.", ["model", "kind"], registry=registry
+)
+ttft = Histogram(
+    "router_time_to_first_token_seconds",
+    "Time from request to the first byte of the answer.",
+    ["model", "endpoint"],
+    buckets=LATENCY_BUCKETS,
+    registry=registry,
+)
+latency = Histogram(
+    "router_request_latency_seconds",
+    "Time from request to the end of the answer.",
+    ["model", "endpoint"],
+    buckets=LATENCY_BUCKETS,
+    registry=registry,
+)
+added = Histogram(
+    "router_added_latency_seconds",
+    "Time the router adds before the request reaches an engine.",
+    ["model"],
+    buckets=ADDED_BUCKETS,
+    registry=registry,
+)
+tokens = Counter(
+    "router_tokens",
+    "Tokens by model, endpoint and kind (prompt, cached_prompt, output).",
+    ["model", "endpoint", "kind"],
+    registry=registry,
+)
