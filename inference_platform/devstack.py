@@ -134,8 +134,19 @@ def run_command(argv: list[str], env: dict[str, str]) -> int:
             continue
 
 
+# Stop every local engine; recording that may fail when Ctrl-C has already stopped the embedded Redis.
+STOP_ENGINES = """
+from serving.services import engines_stop_all
+try:
+    print("devstack: stopped engines", engines_stop_all() or "(none running)")
+except Exception as exc:
+    print("devstack: engines stopped, but recording it failed:", exc)
+"""
+
+
 def serve(env: dict[str, str]) -> int:
-    """Migrate, create the demo objects and serve the admin and the API until interrupted."""
+    """Migrate, create the demo objects and serve the admin, the API, the Celery worker and beat until
+    interrupted; then stop them and every engine the worker started."""
     python = sys.executable
     for step in (
         [python, "manage.py", "migrate", "--no-input"],
@@ -147,12 +158,19 @@ def serve(env: dict[str, str]) -> int:
             return code
     bind = os.environ.get("WEB_BIND", "127.0.0.1:8000")
     print(f"devstack: admin at http://{bind}/admin/ , API docs at http://{bind}/api/docs/", file=sys.stderr)
-    children = [
-        subprocess.Popen(
-            [python, "-m", "gunicorn", "inference_platform.wsgi", "--bind", bind, "--workers", "2"],
-            env={**os.environ, **env},
-        ),
+    print(f"devstack: engine logs in {state_dir() / 'engines'}", file=sys.stderr)
+    # Engines run in sessions of their own (they outlive worker restarts): stop any left by an earlier run
+    # that ended abruptly, and again at the end.
+    stop_engines = [python, "manage.py", "shell", "-c", STOP_ENGINES]
+    run_command(stop_engines, env)
+    celery = [python, "-m", "celery", "-A", "inference_platform"]
+    commands = [
+        [python, "-m", "gunicorn", "inference_platform.wsgi", "--bind", bind, "--workers", "2"],
+        # Threads: reconciles wait on processes and HTTP, not on the CPU.
+        [*celery, "worker", "--pool", "threads", "--concurrency", "2", "--loglevel", "INFO"],
+        [*celery, "beat", "--schedule", str(state_dir() / "celerybeat-schedule"), "--loglevel", "INFO"],
     ]
+    children = [subprocess.Popen(command, env={**os.environ, **env}) for command in commands]
     try:
         while all(child.poll() is None for child in children):
             time.sleep(0.5)
@@ -167,6 +185,7 @@ def serve(env: dict[str, str]) -> int:
                 child.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 child.kill()
+        run_command(stop_engines, env)
     return 0
 
 

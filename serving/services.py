@@ -9,8 +9,8 @@ from collections.abc import Iterator
 from django.db import connection, transaction
 from django.utils import timezone
 
-from .models import ModelDeployment, ObservedStatus
-from .orchestrators import ORCHESTRATORS, ReconcileResult, orchestrator_for
+from .models import Endpoint, ModelDeployment, ObservedStatus, OrchestratorKind
+from .orchestrators import ORCHESTRATORS, LocalOrchestrator, ReconcileResult, orchestrator_for
 
 log = logging.getLogger(__name__)
 
@@ -110,3 +110,19 @@ def _enqueue(task, *args) -> None:
         task.apply_async(args=args, retry=True, retry_policy={"max_retries": 2, "interval_start": 0.2})
     except Exception:
         log.exception("could not enqueue %s%s; the periodic reconcile will catch up", task.name, args)
+
+
+def engines_stop_all() -> list[str]:
+    """Stop every local engine this platform instance runs, and record that (when the platform stops).
+
+    Local engines only: they live and die with this machine's platform, unlike a cluster's.
+    """
+    gone = LocalOrchestrator().sweep(set())
+    deployments = ModelDeployment.objects.filter(orchestrator=OrchestratorKind.LOCAL)
+    deployments.update(
+        observed_status=ObservedStatus.STOPPED,
+        status_message="The platform stopped its engines.",
+        observed_at=timezone.now(),
+    )
+    Endpoint.objects.filter(pool__deployment__in=deployments).delete()
+    return gone

@@ -10,6 +10,7 @@ from django.utils import timezone
 
 from routing.models import RoutingPolicy
 from serving.models import EngineKind, ModelDeployment, Pool
+from serving.services import deployment_changed
 from tenants.audit import audit_record, snapshot
 from tenants.keys import api_key_create
 from tenants.models import ApiKey, Membership, PriceSheet, Quota, Role, Scope, Team, Tenant
@@ -106,6 +107,11 @@ class Command(BaseCommand):
                 source="system",
                 details={"after": snapshot(deployment)},
             )
+            # The Celery worker starts its two simulated engines once this commits (the beat would too).
+            deployment_changed(deployment_id=deployment.pk)
+        self.stdout.write(
+            f"Deployment: {deployment.name}, {deployment.engine_kind} engines, served as {DEMO_MODEL}"
+        )
 
         if not ApiKey.objects.filter(team=team, name="demo agent").exists():
             issued = api_key_create(
