@@ -1,0 +1,34 @@
+"""Celery tasks for tenants: writing the usage stream into the ledger."""
+
+from __future__ import annotations
+
+from celery import shared_task
+from django.conf import settings
+
+from inference_platform.celery import app
+
+from .usage_stream import consumer_name, usage_ingest_until_empty
+
+INGEST_EVERY_S = 2.0
+
+
+def _max_seconds() -> float:
+    return getattr(settings, "USAGE_INGEST_MAX_SECONDS", 10.0)
+
+
+@shared_task(acks_late=True, ignore_result=True)
+def ingest_usage() -> int:
+    """Drain the usage stream for at most a few seconds; beat starts another run every two seconds."""
+    return usage_ingest_until_empty(consumer=consumer_name(), max_seconds=_max_seconds())
+
+
+def _schedule_ingest(sender, **kwargs) -> None:
+    # A run older than the interval is dropped: the next one does the same work.
+    sender.add_periodic_task(INGEST_EVERY_S, ingest_usage.s(), name="ingest-usage", expires=INGEST_EVERY_S)
+
+
+# This module may be imported after the app is finalised (autodiscovery), when the signal has already fired.
+if app.finalized:
+    _schedule_ingest(app)
+else:
+    app.on_after_finalize.connect(_schedule_ingest, weak=False)
