@@ -19,6 +19,8 @@ import psutil
 from django.conf import settings
 from django.utils import timezone
 
+from inference_platform.config_version import bump_config_version_on_commit
+
 from ..engine_command import (
     ENGINE_HOST,
     EngineCommand,
@@ -264,7 +266,11 @@ class LocalOrchestrator(Orchestrator):
         if endpoint.pid != engine.pid:
             changes["pid"] = engine.pid
         if endpoint.health != health or len(changes) > 1:
+            # update(), so that a mere last_seen_at does not make every router reload its endpoints...
             Endpoint.objects.filter(pk=endpoint.pk).update(**changes)
+        if endpoint.health != health:
+            # ...while a change of health does, at once.
+            bump_config_version_on_commit()
         return SlotState(endpoint.name, health, note, settling=health == Health.STARTING)
 
     @staticmethod
