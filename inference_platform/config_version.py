@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import functools
+import logging
 
 from django.conf import settings
 from django.db import transaction
 
 CONFIG_VERSION_KEY = "platform:config:version"
+log = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -18,7 +20,13 @@ def _redis():
 
 
 def bump_config_version() -> None:
-    _redis().incr(CONFIG_VERSION_KEY)
+    import redis
+
+    try:
+        _redis().incr(CONFIG_VERSION_KEY)
+    except redis.RedisError:
+        # The change is committed; routers still pick it up at their next periodic reload.
+        log.warning("could not bump the router config version; routers reload within their max snapshot age")
 
 
 def bump_config_version_on_commit() -> None:

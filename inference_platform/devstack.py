@@ -84,6 +84,8 @@ def embedded_redis(root: Path) -> Iterator[str]:
             str(data / "redis.log"),
         ],
         stdout=subprocess.DEVNULL,
+        # Its own session: Ctrl-C must not stop Redis before the processes that use it have shut down.
+        start_new_session=True,
     )
     url = f"redis://127.0.0.1:{port}/0"
     try:

@@ -215,5 +215,27 @@ LOGGING = {
     "disable_existing_loggers": False,
     "handlers": {"console": {"class": "logging.StreamHandler"}},
     "root": {"handlers": ["console"], "level": env_secret("LOG_LEVEL") or "INFO"},
-    "loggers": {"django.db.backends": {"level": "INFO"}},
+    "loggers": {
+        "django.db.backends": {"level": "INFO"},
+        "httpx": {"level": "WARNING"},  # one line per engine health probe otherwise
+        "httpcore": {"level": "WARNING"},
+    },
 }
+
+# The router (/v1 data plane).
+ROUTER_MAX_BODY_BYTES = env_int("ROUTER_MAX_BODY_BYTES", 32 * 1024 * 1024)
+ROUTER_MAX_MESSAGES = env_int("ROUTER_MAX_MESSAGES", 10_000)
+ROUTER_MAX_ATTEMPTS = env_int(
+    "ROUTER_MAX_ATTEMPTS", 3
+)  # engines tried before giving up (before the first byte)
+ROUTER_CONFIG_POLL_SECONDS = float(env_secret("ROUTER_CONFIG_POLL_SECONDS") or 1.0)
+ROUTER_SNAPSHOT_MAX_AGE = float(env_secret("ROUTER_SNAPSHOT_MAX_AGE") or 10.0)
+ROUTER_CONNECT_TIMEOUT = float(env_secret("ROUTER_CONNECT_TIMEOUT") or 2.0)
+
+# Usage metering: the router's events stream through Redis into the ledger (tenants/usage_stream.py).
+USAGE_STREAM = env_secret("USAGE_STREAM") or "usage:events"
+USAGE_DEAD_LETTER_STREAM = env_secret("USAGE_DEAD_LETTER_STREAM") or "usage:dead"
+USAGE_STREAM_MAXLEN = env_int("USAGE_STREAM_MAXLEN", 1_000_000)
+USAGE_VISIBILITY_TIMEOUT_MS = env_int("USAGE_VISIBILITY_TIMEOUT_MS", 60_000)
+USAGE_INGEST_BATCH_SIZE = env_int("USAGE_INGEST_BATCH_SIZE", 500)
+USAGE_DEFAULT_CURRENCY = env_secret("USAGE_DEFAULT_CURRENCY") or "USD"

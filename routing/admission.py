@@ -10,12 +10,12 @@ reservations are upper bounds, concurrent requests can never push a budget over 
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from decimal import Decimal
 
 from tenants.periods import period_bounds
+from tenants.pricing import cost_from_prices
 
 from .state import Prices, QuotaInfo
 
@@ -140,11 +140,18 @@ def money_units(amount: Decimal) -> int:
 
 
 def cost_units(prices: Prices | None, prompt: int, cached: int, output: int) -> int:
+    """A request's cost in 1e-8 units, computed exactly as the ledger computes it."""
     if prices is None:
         return 0
-    micro = (prompt - cached) * prices.input_per_mtok + cached * prices.cached_input_per_mtok
-    micro += output * prices.output_per_mtok
-    return math.ceil(micro * MONEY_SCALE / Decimal(1_000_000))
+    cost = cost_from_prices(
+        prices.input_per_mtok,
+        prices.cached_input_per_mtok,
+        prices.output_per_mtok,
+        prompt,
+        min(cached, prompt),
+        output,
+    )
+    return money_units(cost)
 
 
 class Admission:
