@@ -159,7 +159,9 @@ def serve(env: dict[str, str]) -> int:
         if code:
             return code
     bind = os.environ.get("WEB_BIND", "127.0.0.1:8000")
+    router_host, _, router_port = os.environ.get("ROUTER_BIND", "127.0.0.1:8080").rpartition(":")
     print(f"devstack: admin at http://{bind}/admin/ , API docs at http://{bind}/api/docs/", file=sys.stderr)
+    print(f"devstack: agents call http://{router_host}:{router_port}/v1", file=sys.stderr)
     print(f"devstack: engine logs in {state_dir() / 'engines'}", file=sys.stderr)
     # Engines run in sessions of their own (they outlive worker restarts): stop any left by an earlier run
     # that ended abruptly, and again at the end.
@@ -168,6 +170,22 @@ def serve(env: dict[str, str]) -> int:
     celery = [python, "-m", "celery", "-A", "inference_platform"]
     commands = [
         [python, "-m", "gunicorn", "inference_platform.wsgi", "--bind", bind, "--workers", "2"],
+        # The /v1 router (ASGI, Channels) in its own process.
+        [
+            python,
+            "-m",
+            "uvicorn",
+            "inference_platform.asgi:application",
+            "--host",
+            router_host,
+            "--port",
+            router_port,
+            "--loop",
+            "uvloop",
+            "--http",
+            "httptools",
+            "--no-access-log",
+        ],
         # Threads: reconciles wait on processes and HTTP, not on the CPU.
         [*celery, "worker", "--pool", "threads", "--concurrency", "2", "--loglevel", "INFO"],
         [*celery, "beat", "--schedule", str(state_dir() / "celerybeat-schedule"), "--loglevel", "INFO"],

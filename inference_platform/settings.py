@@ -127,6 +127,11 @@ CELERY_BEAT_SCHEDULE = {
         "schedule": RECONCILE_INTERVAL_S,
         "options": {"expires": RECONCILE_INTERVAL_S},
     },
+    "scrape-engine-metrics": {
+        "task": "routing.tasks.scrape_engine_metrics",
+        "schedule": 1.0,
+        "options": {"expires": 1.0},
+    },
 }
 
 # Local engines (the `local` orchestrator).

@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from . import metrics
 from .admission import Admission, cost_units
 from .dialects import ANTHROPIC, OPENAI, RESPONSES, Dialect, Usage
+from .load_scraper import LOAD_KEY
 from .pipeline import EndpointLoad, Pipeline, RequestContext
 from .state import DeploymentInfo, KeyInfo, Snapshot, load_snapshot
 
@@ -40,7 +41,6 @@ GENERATION_ROUTES: dict[str, Dialect] = {
     "/v1/responses": RESPONSES,
 }
 CONFIG_VERSION_KEY = "platform:config:version"
-LOAD_KEY = "endpoint:load:{}"
 JSON_HEADERS = [(b"content-type", b"application/json")]
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
 

@@ -16,6 +16,8 @@ from serving.models import ModelDeployment, Pool
 from tenants.keys import IssuedKey, api_key_create
 from tenants.models import Membership, PriceSheet, Quota, Role, Scope, Team, Tenant, UsageRecord
 
+from .serving.engines import ENGINE_PYTHON, RunningEngine, start_engine
+
 
 @dataclass
 class World:
@@ -151,3 +153,20 @@ def client_for():
         return client
 
     return make
+
+
+# Engines, started once per test session and stopped at its end.
+@pytest.fixture(scope="session")
+def sim_engine() -> RunningEngine:
+    engine = start_engine("sim")
+    yield engine
+    engine.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_engine() -> RunningEngine:
+    if not ENGINE_PYTHON.exists():
+        pytest.fail(f"no engine environment at {ENGINE_PYTHON}: run scripts/engine-env.sh (make test does)")
+    engine = start_engine("vllm")
+    yield engine
+    engine.stop()

@@ -4,23 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from .engines import ENGINE_PYTHON, RunningEngine, start_engine
-
-
-@pytest.fixture(scope="session")
-def sim_engine() -> RunningEngine:
-    engine = start_engine("sim")
-    yield engine
-    engine.stop()
-
-
-@pytest.fixture(scope="session")
-def vllm_engine() -> RunningEngine:
-    if not ENGINE_PYTHON.exists():
-        pytest.fail(f"no engine environment at {ENGINE_PYTHON}: run scripts/engine-env.sh (make test does)")
-    engine = start_engine("vllm")
-    yield engine
-    engine.stop()
+from .engines import RunningEngine
 
 
 @pytest.fixture(params=["sim", "vllm"])
