@@ -212,13 +212,13 @@ class SimulatorApp:
                     "annotations": None,
                     "audio": None,
                     "function_call": None,
-                    "tool_calls": [],
                     "reasoning": None,
                 },
                 "logprobs": None,
                 "finish_reason": req.finish_reason,
                 "stop_reason": None,
                 "token_ids": None,
+                "routed_experts": None,
             }
         else:
             choice = {
@@ -230,6 +230,7 @@ class SimulatorApp:
                 "token_ids": None,
                 "prompt_logprobs": None,
                 "prompt_token_ids": None,
+                "routed_experts": None,
             }
         body = {
             "id": response_id,
@@ -240,10 +241,12 @@ class SimulatorApp:
             "service_tier": None,
             "system_fingerprint": self.fingerprint,
             "usage": self._usage(req, null_details=True),
-            "prompt_logprobs": None,
-            "prompt_token_ids": None,
             "kv_transfer_params": req.kv_transfer_out,
+            "ec_transfer_params": None,
+            "metrics": None,
         }
+        if chat:
+            body.update(prompt_logprobs=None, prompt_token_ids=None, prompt_text=None)
         return web.json_response(body, dumps=_dumps)
 
     async def _stream(

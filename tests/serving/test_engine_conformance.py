@@ -234,3 +234,30 @@ def test_the_two_engines_hash_blocks_alike(sim_engine, vllm_engine):
             subscriber.close()
         hashes.append(next(e for e in events_of(messages) if e["type"] == "BlockStored")["block_hashes"])
     assert hashes[0] == hashes[1]
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/completions", {"prompt": "x = 1", "max_tokens": 2}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+    ],
+)
+def test_the_two_engines_answer_with_the_same_fields(sim_engine, vllm_engine, path, body):
+    def shape(value):
+        if isinstance(value, dict):
+            return {key: shape(item) for key, item in value.items()}
+        if isinstance(value, list):
+            return [shape(item) for item in value[:1]]
+        return type(value).__name__ if value is not None else None
+
+    replies = [
+        httpx.post(
+            f"{e.url}{path}", json={"model": MODEL_NAME, "ignore_eos": True, **body}, timeout=60
+        ).json()
+        for e in (sim_engine, vllm_engine)
+    ]
+    sim, real = (shape(reply) for reply in replies)
+    assert set(sim) == set(real)
+    assert set(sim["choices"][0]) == set(real["choices"][0])
+    assert set(sim["usage"]) == set(real["usage"])
