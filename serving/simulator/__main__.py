@@ -146,6 +146,7 @@ async def serve(args) -> None:
         args.block_size,
         on_stored=publisher.block_stored if publisher else None,
         on_removed=publisher.block_removed if publisher else None,
+        on_cleared=publisher.all_cleared if publisher else None,
     )
     session: aiohttp.ClientSession | None = None
 

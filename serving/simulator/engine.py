@@ -273,5 +273,5 @@ class Engine:
 
         asyncio.get_running_loop().create_task(notify())
 
-    def reset_prefix_cache(self) -> None:
-        self.pool.clear()
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.clear()

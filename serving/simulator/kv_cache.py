@@ -63,6 +63,7 @@ class BlockPool:
         medium: str = "GPU",
         on_stored: Callable[[dict], None] | None = None,
         on_removed: Callable[[dict], None] | None = None,
+        on_cleared: Callable[[], None] | None = None,
     ):
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
@@ -76,6 +77,7 @@ class BlockPool:
         self._private = 0  # blocks held by requests that are not (yet) full and cached
         self._on_stored = on_stored or (lambda event: None)
         self._on_removed = on_removed or (lambda event: None)
+        self._on_cleared = on_cleared or (lambda: None)
 
     # --- accounting ---------------------------------------------------------------------------------
     @property
@@ -178,10 +180,14 @@ class BlockPool:
                 self._evictable[block_hash] = None
         allocation.hashes.clear()
 
-    def clear(self) -> None:
-        for block_hash in list(self._evictable):
-            del self._cached[block_hash]
+    def clear(self) -> bool:
+        """Drop every cached block (vLLM's reset_prefix_cache). Refused while a request holds blocks."""
+        if len(self._cached) != len(self._evictable) or self._private:
+            return False
+        self._cached.clear()
         self._evictable.clear()
+        self._on_cleared()
+        return True
 
     # --- eviction -----------------------------------------------------------------------------------
     def _make_room(self, needed: int) -> bool:

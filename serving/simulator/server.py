@@ -125,7 +125,10 @@ class SimulatorApp:
         return web.json_response({"0": self.model.kv_events_config} if self.model.kv_events_config else {})
 
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
-        self.engine.reset_prefix_cache()
+        if not self.engine.reset_prefix_cache():
+            return web.json_response(
+                ApiError(400, "Cannot reset the prefix cache while requests run.").body(), status=400
+            )
         return web.Response(status=200)
 
     async def tokenize(self, request: web.Request) -> web.Response:

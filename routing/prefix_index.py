@@ -1,0 +1,139 @@
+"""The precise prefix-cache index in Redis, shared by every router replica.
+
+Layout (block keys are the router's, 16 hex characters, see routing/blocks.py):
+
+    px:{deployment}:{block key}   HASH  endpoint id -> tier: "g" (GPU), "c" (CPU), "s" (speculative)
+    pxe:{endpoint}                HASH  engine block hash (decimal) -> "{deployment}:{block key}"
+    pxsp:{deployment}             ZSET  "{endpoint}|{block key}" scored by the time its speculative entry expires
+
+The KV-event ingester owns `pxe:` and writes "g"/"c" entries; the router writes "s" entries right after each
+routing decision (so a burst of sub-agents sharing a new prefix does not all miss before the events arrive), and
+they lapse after a few seconds unless an event confirms them. A lookup is one Lua script call: it walks the
+prompt's blocks from the first and returns, per endpoint, how many leading blocks it holds in each tier.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+TIERS = ("g", "c", "s")
+
+LOOKUP = """
+local prefix = ARGV[1]
+local alive = nil
+local result = {}
+for i = 2, #ARGV do
+  local fields = redis.call('HGETALL', prefix .. ARGV[i])
+  if #fields == 0 then break end
+  local here = {}
+  for j = 1, #fields, 2 do here[fields[j]] = fields[j + 1] end
+  if alive == nil then
+    alive = {}
+    for endpoint, tier in pairs(here) do
+      alive[endpoint] = {g = 0, c = 0, s = 0}
+      alive[endpoint][tier] = 1
+    end
+  else
+    local any = false
+    for endpoint, counts in pairs(alive) do
+      local tier = here[endpoint]
+      if tier then
+        counts[tier] = counts[tier] + 1
+        any = true
+      else
+        result[#result + 1] = endpoint
+        result[#result + 1] = counts.g
+        result[#result + 1] = counts.c
+        result[#result + 1] = counts.s
+        alive[endpoint] = nil
+      end
+    end
+    if not any then break end
+  end
+end
+if alive then
+  for endpoint, counts in pairs(alive) do
+    result[#result + 1] = endpoint
+    result[#result + 1] = counts.g
+    result[#result + 1] = counts.c
+    result[#result + 1] = counts.s
+  end
+end
+return result
+"""
+
+# ARGV: deployment, endpoint, expires_at, block keys... Never downgrades a real entry to speculative.
+SPECULATE = """
+local deployment, endpoint, expires = ARGV[1], ARGV[2], ARGV[3]
+for i = 4, #ARGV do
+  if redis.call('HSETNX', 'px:' .. deployment .. ':' .. ARGV[i], endpoint, 's') == 1 then
+    redis.call('ZADD', 'pxsp:' .. deployment, expires, endpoint .. '|' .. ARGV[i])
+  end
+end
+return 1
+"""
+
+# ARGV: deployment, now. Drops speculative entries that lapsed without an event confirming them.
+EXPIRE_SPECULATIVE = """
+local deployment, now = ARGV[1], ARGV[2]
+local lapsed = redis.call('ZRANGEBYSCORE', 'pxsp:' .. deployment, '-inf', now)
+for _, member in ipairs(lapsed) do
+  local bar = string.find(member, '|', 1, true)
+  local endpoint, key = string.sub(member, 1, bar - 1), string.sub(member, bar + 1)
+  local hash = 'px:' .. deployment .. ':' .. key
+  if redis.call('HGET', hash, endpoint) == 's' then redis.call('HDEL', hash, endpoint) end
+end
+redis.call('ZREMRANGEBYSCORE', 'pxsp:' .. deployment, '-inf', now)
+return #lapsed
+"""
+
+
+def block_hash_key(deployment_id: int, block_key: str) -> str:
+    return f"px:{deployment_id}:{block_key}"
+
+
+def endpoint_map_key(endpoint_id: int) -> str:
+    return f"pxe:{endpoint_id}"
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """How many of a prompt's leading blocks an endpoint holds, by tier."""
+
+    gpu: int = 0
+    cpu: int = 0
+    speculative: int = 0
+
+    @property
+    def blocks(self) -> int:
+        return self.gpu + self.cpu + self.speculative
+
+
+class PrefixIndex:
+    """The router's side: one-round-trip lookups and speculative entries (redis.asyncio client)."""
+
+    def __init__(self, redis, speculative_ttl_s: float = 3.0):
+        self.redis = redis
+        self.speculative_ttl_s = speculative_ttl_s
+        self._lookup = redis.register_script(LOOKUP)
+        self._speculate = redis.register_script(SPECULATE)
+        self._expire = redis.register_script(EXPIRE_SPECULATIVE)
+
+    async def lookup(self, deployment_id: int, block_keys: list[str]) -> dict[int, Held]:
+        if not block_keys:
+            return {}
+        flat = await self._lookup(args=[f"px:{deployment_id}:", *block_keys])
+        held = {}
+        for index in range(0, len(flat), 4):
+            endpoint = int(flat[index])
+            held[endpoint] = Held(int(flat[index + 1]), int(flat[index + 2]), int(flat[index + 3]))
+        return held
+
+    async def speculate(self, deployment_id: int, endpoint_id: int, block_keys: list[str]) -> None:
+        if block_keys:
+            expires = time.time() + self.speculative_ttl_s
+            await self._speculate(args=[deployment_id, endpoint_id, expires, *block_keys])
+
+    async def expire_speculative(self, deployment_id: int) -> int:
+        return int(await self._expire(args=[deployment_id, time.time()]))
