@@ -189,6 +189,8 @@ def serve(env: dict[str, str]) -> int:
         # Threads: reconciles wait on processes and HTTP, not on the CPU.
         [*celery, "worker", "--pool", "threads", "--concurrency", "2", "--loglevel", "INFO"],
         [*celery, "beat", "--schedule", str(state_dir() / "celerybeat-schedule"), "--loglevel", "INFO"],
+        # The KV-event ingester: keeps the prefix-cache index in Redis from the engines' events.
+        [python, "manage.py", "run_kv_ingester"],
     ]
     children = [subprocess.Popen(command, env={**os.environ, **env}) for command in commands]
     try:

@@ -1,0 +1,228 @@
+"""Apply engines' KV-cache events to the prefix index in Redis (layout: routing/prefix_index.py).
+
+For each endpoint the ingester keeps, in memory, the engine's block hashes it has seen, each with the router's key
+for that block and the media (GPU, CPU) that hold it. The map serves two purposes: a BlockStored event's parent is
+resolved to the router key the chain continues from, and a BlockRemoved event's hashes to the index entries it
+deletes, without a read from Redis. `pxe:{endpoint}` in Redis mirrors it, so that a restarted ingester can find
+(and clear) what an earlier one wrote.
+
+Writes are queued in a `Writes` buffer and leave as one Lua script call per poll round, its operations packed in
+one msgpack argument: packing each HSET through redis-py would cost more than everything else per block.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import msgpack
+
+from routing.blocks import block_keys, chain_seed
+from routing.prefix_index import endpoint_map_key
+
+log = logging.getLogger(__name__)
+
+GPU, CPU = 1, 2
+MEDIA = {"GPU": GPU, None: GPU, "CPU": CPU}  # vLLM before `medium` existed had only the GPU pool
+MASK = (1 << 64) - 1
+
+
+# ARGV[1]: msgpack of a flat list of operations: "h" key field value | "d" key field | "x" key.
+# Hashes and ids travel as strings (Lua numbers are doubles and would round 64-bit hashes).
+APPLY_WRITES = """
+local ops = cmsgpack.unpack(ARGV[1])
+local i, n = 1, #ops
+while i <= n do
+  local op = ops[i]
+  if op == 'h' then
+    redis.call('HSET', ops[i + 1], ops[i + 2], ops[i + 3])
+    i = i + 4
+  elseif op == 'd' then
+    redis.call('HDEL', ops[i + 1], ops[i + 2])
+    i = i + 3
+  else
+    redis.call('DEL', ops[i + 1])
+    i = i + 2
+  end
+end
+return n
+"""
+
+
+class Writes:
+    """Index writes queued in order, sent to Redis in one script call."""
+
+    def __init__(self, redis):
+        self.ops: list[str] = []
+        self._script = redis.register_script(APPLY_WRITES)
+
+    def hset(self, key: str, field: str, value: str) -> None:
+        self.ops += ("h", key, field, value)
+
+    def hdel(self, key: str, field: str) -> None:
+        self.ops += ("d", key, field)
+
+    def delete(self, key: str) -> None:
+        self.ops += ("x", key)
+
+    def flush(self) -> None:
+        if self.ops:
+            ops, self.ops = self.ops, []
+            self._script(args=[msgpack.packb(ops, use_bin_type=False)])
+
+
+def engine_hash(value: int | bytes) -> int:
+    """vLLM's external hash: an int, or (with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0) bytes of which it would
+    take the low 64 bits."""
+    if value.__class__ is int:
+        return value
+    return int.from_bytes(value, "big") & MASK
+
+
+def tier_of(media: int) -> str:
+    return "g" if media & GPU else "c"
+
+
+@dataclass
+class Source:
+    """One endpoint's event stream as the ingester knows it."""
+
+    endpoint_id: int
+    deployment_id: int
+    model: str
+    url: str
+    last_seq: int = -1
+    # engine hash -> [router key (bytes), media bits]
+    blocks: dict[int, list] = field(default_factory=dict)
+    orphans: int = 0  # BlockStored events skipped because their parent was unknown
+    _seeds: dict[str | None, bytes] = field(default_factory=dict)
+
+    @property
+    def px_prefix(self) -> str:
+        return f"px:{self.deployment_id}:"
+
+    @property
+    def map_key(self) -> str:
+        return endpoint_map_key(self.endpoint_id)
+
+    def seed(self, lora_name: str | None) -> bytes:
+        seed = self._seeds.get(lora_name)
+        if seed is None:
+            seed = self._seeds[lora_name] = chain_seed(self.model, lora_name)
+        return seed
+
+
+def decode_payload(payload: bytes) -> list[dict]:
+    """The events of one batch: `[ts, events, dp_rank]`."""
+    batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    return batch[1]
+
+
+def apply_events(writes: Writes, source: Source, events: list[dict]) -> int:
+    """Queue the index writes for a batch's events; returns how many blocks it stored."""
+    stored = 0
+    for event in events:
+        kind = event.get("type")
+        if kind == "BlockStored":
+            stored += _stored(writes, source, event)
+        elif kind == "BlockRemoved":
+            _removed(writes, source, event)
+        elif kind == "AllBlocksCleared":
+            clear_source(writes, source)
+    return stored
+
+
+def _stored(writes: Writes, source: Source, event: dict) -> int:
+    media = MEDIA.get(event.get("medium"))
+    if media is None or event.get("group_idx") not in (None, 0):
+        return 0  # another storage tier, or a second KV-cache group (hybrid models) the router does not key
+    blocks = source.blocks
+    parent = event.get("parent_block_hash")
+    parent_key = None
+    if parent is not None:
+        entry = blocks.get(engine_hash(parent))
+        if entry is None:
+            # The chain starts at a block this ingester never saw (it was cached before a gap): the router
+            # keys of these blocks cannot be computed, so they stay out of the index.
+            source.orphans += 1
+            return 0
+        parent_key = entry[0]
+    hashes = event["block_hashes"]
+    keys = block_keys(
+        event["token_ids"], event["block_size"], source.seed(event.get("lora_name")), parent=parent_key
+    )
+    if len(keys) != len(hashes):
+        log.warning(
+            "endpoint %s: BlockStored with %d hashes but %d full blocks of tokens; keying the first %d",
+            source.endpoint_id,
+            len(hashes),
+            len(keys),
+            min(len(keys), len(hashes)),
+        )
+    prefix = source.px_prefix
+    endpoint = str(source.endpoint_id)
+    map_key = source.map_key
+    deployment = f"{source.deployment_id}:"
+    ops = writes.ops
+    for value, key in zip(hashes, keys, strict=False):
+        engine = value if value.__class__ is int else engine_hash(value)
+        entry = blocks.get(engine)
+        if entry is None:
+            blocks[engine] = entry = [key, media]
+        else:
+            entry[0] = key
+            entry[1] |= media
+        hex_key = key.hex()
+        ops += (
+            "h", prefix + hex_key, endpoint, "g" if entry[1] & GPU else "c",
+            "h", map_key, str(engine), deployment + hex_key,
+        )  # fmt: skip
+    return min(len(hashes), len(keys))
+
+
+def _removed(writes: Writes, source: Source, event: dict) -> None:
+    media = MEDIA.get(event.get("medium"))
+    if media is None:
+        return
+    blocks = source.blocks
+    prefix = source.px_prefix
+    endpoint = str(source.endpoint_id)
+    for value in event["block_hashes"]:
+        engine = engine_hash(value)
+        entry = blocks.get(engine)
+        if entry is None or not entry[1] & media:
+            continue
+        entry[1] &= ~media
+        if entry[1]:
+            # Still held in the other tier (say evicted from GPU, kept in the CPU offload).
+            writes.hset(prefix + entry[0].hex(), endpoint, tier_of(entry[1]))
+        else:
+            del blocks[engine]
+            writes.hdel(prefix + entry[0].hex(), endpoint)
+            writes.hdel(source.map_key, str(engine))
+
+
+def clear_source(writes: Writes, source: Source) -> None:
+    """Drop every index entry of the endpoint that this ingester wrote."""
+    prefix = source.px_prefix
+    endpoint = str(source.endpoint_id)
+    for key, _ in source.blocks.values():
+        writes.hdel(prefix + key.hex(), endpoint)
+    writes.delete(source.map_key)
+    source.blocks.clear()
+
+
+def clear_stored(redis, endpoint_id: int) -> int:
+    """Drop the entries an endpoint has in Redis, read back from its `pxe:` map (e.g. left by an earlier
+    ingester process, or of an endpoint deleted while none ran). Returns how many blocks it cleared."""
+    map_key = endpoint_map_key(endpoint_id)
+    cleared = 0
+    with redis.pipeline(transaction=False) as pipe:
+        for _, value in redis.hscan_iter(map_key, count=1000):
+            pipe.execute_command("HDEL", f"px:{value.decode()}", endpoint_id)
+            cleared += 1
+            if len(pipe) >= 1000:
+                pipe.execute()
+        pipe.delete(map_key)
+        pipe.execute()
+    return cleared
