@@ -165,7 +165,7 @@ def add_endpoint(deployment: ModelDeployment, engine: RunningEngine, *, central:
 
 def prompt(blocks: int, seed: int) -> list[int]:
     rng = random.Random(seed)
-    return [rng.randrange(100, 5000) for _ in range(blocks * BLOCK + 7)]
+    return [rng.randrange(100, 1000) for _ in range(blocks * BLOCK + 7)]
 
 
 def complete(engine: RunningEngine, tokens: list[int]) -> None:
