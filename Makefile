@@ -24,7 +24,7 @@ engine-env:
 
 ## Run the whole test suite against real PostgreSQL, Redis and engines (simulator and vLLM).
 test: $(STAMP) engine-env
-	PLATFORM_STATE_DIR=$${PLATFORM_STATE_DIR:-.local/test} $(PY) -m inference_platform.devstack exec -- $(PY) -m pytest $(PYTEST_ARGS)
+	PLATFORM_STATE_DIR=$${PLATFORM_STATE_DIR:-.local/test} PLATFORM_REDIS_PERSIST=0 $(PY) -m inference_platform.devstack exec -- $(PY) -m pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -19,14 +19,16 @@ def _redis():
     return redis.Redis.from_url(settings.REDIS_URL)
 
 
-def bump_config_version() -> None:
+def bump_config_version() -> int | None:
+    """Returns the new version (None if Redis could not be reached)."""
     import redis
 
     try:
-        _redis().incr(CONFIG_VERSION_KEY)
+        return int(_redis().incr(CONFIG_VERSION_KEY))
     except redis.RedisError:
         # The change is committed; routers still pick it up at their next periodic reload.
         log.warning("could not bump the router config version; routers reload within their max snapshot age")
+        return None
 
 
 def bump_config_version_on_commit() -> None:

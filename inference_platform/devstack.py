@@ -75,7 +75,7 @@ def embedded_redis(root: Path) -> Iterator[str]:
             "--dir",
             str(data),
             "--save",
-            "60 1",
+            "60 1" if os.environ.get("PLATFORM_REDIS_PERSIST", "1") != "0" else "",
             "--appendonly",
             "no",
             "--daemonize",

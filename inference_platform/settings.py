@@ -235,6 +235,10 @@ ROUTER_MAX_ATTEMPTS = env_int(
 )  # engines tried before giving up (before the first byte)
 ROUTER_CONFIG_POLL_SECONDS = float(env_secret("ROUTER_CONFIG_POLL_SECONDS") or 1.0)
 ROUTER_SNAPSHOT_MAX_AGE = float(env_secret("ROUTER_SNAPSHOT_MAX_AGE") or 10.0)
+ROUTER_SPECULATIVE_TTL_SECONDS = float(env_secret("ROUTER_SPECULATIVE_TTL_SECONDS") or 3.0)
+ROUTER_APPROX_BLOCKS_PER_ENDPOINT = env_int("ROUTER_APPROX_BLOCKS_PER_ENDPOINT", 4096)
+ROUTER_DECISION_LOG_SAMPLE = float(env_secret("ROUTER_DECISION_LOG_SAMPLE") or 0.01)
+ROUTER_REDIS_MAX_CONNECTIONS = env_int("ROUTER_REDIS_MAX_CONNECTIONS", 256)
 ROUTER_CONNECT_TIMEOUT = float(env_secret("ROUTER_CONNECT_TIMEOUT") or 2.0)
 
 # Usage metering: the router's events stream through Redis into the ledger (tenants/usage_stream.py).

@@ -231,21 +231,12 @@ class Admission:
             headers["x-ratelimit-limit-tokens"] = str(quota.token_budget)
         return Decision(False, scope=kind, limit=limit, retry_after=max(1, retry_after), headers=headers)
 
-    async def settle(
-        self, reservation: Reservation, *, input_tokens: int, output_tokens: int, spend: int
+    async def settle_in(
+        self, pipe, reservation: Reservation, input_delta: int, output_delta: int, spend_delta: int
     ) -> None:
-        if not reservation.scopes:
-            return
-        await self._settle(
-            keys=reservation.keys,
-            args=[
-                reservation.request_id,
-                reservation.scopes,
-                input_tokens - reservation.input_tokens,
-                output_tokens - reservation.output_tokens,
-                spend - reservation.spend,
-            ],
-        )
+        """Queue the settlement on a pipeline (see routing/finisher.py); it runs when the pipeline executes."""
+        args = [reservation.request_id, reservation.scopes, input_delta, output_delta, spend_delta]
+        await self._settle(keys=reservation.keys, args=args, client=pipe)
 
 
 def _limit(value) -> int:

@@ -20,12 +20,15 @@ import orjson
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from redis.exceptions import RedisError
 
 from . import metrics
 from .admission import Admission, cost_units
 from .dialects import ANTHROPIC, OPENAI, RESPONSES, Dialect, Usage
+from .finisher import Finisher
 from .load_scraper import LOAD_KEY
 from .pipeline import EndpointLoad, Pipeline, RequestContext
+from .prefix import PrefixRouting
 from .state import DeploymentInfo, KeyInfo, Snapshot, load_snapshot
 
 log = logging.getLogger(__name__)
@@ -62,6 +65,7 @@ class Router:
         self.snapshot = Snapshot()
         self.loads: dict[int, EndpointLoad] = {}
         self.pipeline = Pipeline()
+        self.prefix: PrefixRouting | None = None
         self.redis = None
         self.admission: Admission | None = None
         self.session: aiohttp.ClientSession | None = None
@@ -83,8 +87,15 @@ class Router:
             try:
                 import redis.asyncio as aioredis
 
-                self.redis = aioredis.Redis.from_url(settings.REDIS_URL)
+                # Requests wait for a connection under load rather than fail.
+                self.redis = aioredis.Redis(
+                    connection_pool=aioredis.BlockingConnectionPool.from_url(
+                        settings.REDIS_URL, max_connections=settings.ROUTER_REDIS_MAX_CONNECTIONS, timeout=10
+                    )
+                )
                 self.admission = Admission(self.redis)
+                self.prefix = PrefixRouting(self.redis)
+                self.finisher = Finisher(self.redis, self.admission)
                 self.session = aiohttp.ClientSession(
                     connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
                     timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout),
@@ -162,7 +173,8 @@ class Router:
                 [(b"content-type", CONTENT_TYPE_LATEST.encode())],
             )
         if path in ("/health", "/healthz"):
-            return await _respond(send, 200, b'{"status":"ok"}', JSON_HEADERS)
+            body = orjson.dumps({"status": "ok", "config_version": self.snapshot.version})
+            return await _respond(send, 200, body, JSON_HEADERS)
         await _respond(
             send, 404, OPENAI.error_body(404, f"No route {path}; this router serves /v1."), JSON_HEADERS
         )
@@ -249,16 +261,26 @@ class Router:
 
         snapshot = self.snapshot
         prices = snapshot.prices_for(deployment.served_model_name, key.tenant_id, datetime.now(UTC))
-        decision = await self.admission.admit(
-            request_id=request_id,
-            team_id=key.team_id,
-            key_id=key.id,
-            team_quota=snapshot.team_quotas.get(key.team_id),
-            key_quota=snapshot.key_quotas.get(key.id),
-            input_reserve=input_bound,
-            output_reserve=output_bound,
-            spend_reserve=cost_units(prices, input_bound, 0, output_bound),
-        )
+        try:
+            decision = await self.admission.admit(
+                request_id=request_id,
+                team_id=key.team_id,
+                key_id=key.id,
+                team_quota=snapshot.team_quotas.get(key.team_id),
+                key_quota=snapshot.key_quotas.get(key.id),
+                input_reserve=input_bound,
+                output_reserve=output_bound,
+                spend_reserve=cost_units(prices, input_bound, 0, output_bound),
+            )
+        except RedisError:
+            log.exception("admission failed")
+            metrics.errors.labels(deployment.served_model_name, "admission").inc()
+            return await _respond(
+                send,
+                503,
+                dialect.error_body(503, "Quota checks are unavailable right now. Retry shortly."),
+                JSON_HEADERS + [(b"retry-after", b"1")],
+            )
         if not decision.admitted:
             metrics.requests.labels(deployment.served_model_name, "", "429").inc()
             return await _respond(
@@ -268,6 +290,7 @@ class Router:
                 JSON_HEADERS + _headers(decision.headers),
             )
 
+        ctx = await self.prefix.context(deployment, payload, scope["path"], _header(scope, b"x-session-id"))
         exchange = Exchange(
             self,
             scope,
@@ -282,20 +305,43 @@ class Router:
             client_wants_usage,
             started,
             decision.headers or {},
+            ctx,
         )
+        finished = False
+
+        async def complete() -> None:
+            """Settle and meter once, before the client can see the end of the answer, so a concurrency slot
+            is free again by the time the client could send its next request."""
+            nonlocal finished
+            if not finished:
+                finished = True
+                usage = exchange.usage
+                spend = cost_units(prices, usage.prompt_tokens, usage.cached_tokens, usage.output_tokens)
+                await self._finish(exchange, decision.reservation, usage, spend)
+
+        exchange.complete = complete
         try:
             await exchange.run()
         finally:
-            usage = exchange.usage
-            spend = cost_units(prices, usage.prompt_tokens, usage.cached_tokens, usage.output_tokens)
-            await asyncio.shield(self._finish(exchange, decision.reservation, usage, spend))
+            await asyncio.shield(complete())
 
     async def _finish(self, exchange: Exchange, reservation, usage: Usage, spend: int) -> None:
         try:
-            await self.admission.settle(
-                reservation, input_tokens=usage.prompt_tokens, output_tokens=usage.output_tokens, spend=spend
+            await self.finisher.finish(
+                reservation,
+                input_tokens=usage.prompt_tokens,
+                output_tokens=usage.output_tokens,
+                spend=spend,
+                event=exchange.usage_event(),
             )
-            await exchange.emit_usage()
+            if exchange.ctx.block_count and usage.reported:
+                self.prefix.observe(
+                    exchange.deployment,
+                    exchange.endpoint_name,
+                    exchange.predicted_cached,
+                    usage.prompt_tokens,
+                    usage.cached_tokens,
+                )
         except Exception:
             log.exception("could not settle or meter request %s", exchange.request_id)
 
@@ -358,6 +404,7 @@ class Exchange:
         client_wants_usage: bool,
         started: float,
         extra_headers: dict,
+        ctx: RequestContext,
     ):
         self.router, self.scope, self.receive, self.send = router, scope, receive, send
         self.dialect, self.deployment, self.key = dialect, deployment, key
@@ -370,6 +417,9 @@ class Exchange:
         self.endpoint_name = ""
         self.first_byte_at: float | None = None
         self.streamed_events = 0
+        self.ctx = ctx
+        self.predicted_cached = 0
+        self.complete = _nothing  # set by the router: settle and meter, once
 
     @property
     def model(self) -> str:
@@ -387,6 +437,9 @@ class Exchange:
             raise
         finally:
             watcher.cancel()
+            if self.status == "cancelled" or (self.status == "failed" and not self.usage.reported):
+                # The engine never reported usage: bill what reached the client.
+                self.usage.output_tokens = max(self.usage.output_tokens, self.streamed_events)
             metrics.requests.labels(self.model, self.endpoint_name, str(self.http_status)).inc()
             metrics.latency.labels(self.model, self.endpoint_name).observe(time.perf_counter() - self.started)
             for kind, value in (
@@ -408,10 +461,13 @@ class Exchange:
         tried: set[int] = set()
         last_error = "no healthy endpoint serves this model"
         for _ in range(self.router.max_attempts):
-            ctx = RequestContext(model=self.model, exclude=frozenset(tried))
-            candidate = self.router.pipeline.choose(self.deployment, ctx, self.router.loads)
+            self.ctx.exclude = frozenset(tried)
+            candidate, candidates = self.router.pipeline.choose(self.deployment, self.ctx, self.router.loads)
             if candidate is None:
                 break
+            self.predicted_cached = self.router.prefix.chosen(
+                self.deployment, self.ctx, candidate, candidates
+            )
             endpoint = candidate.endpoint
             tried.add(endpoint.id)
             self.endpoint_url, self.endpoint_name = endpoint.url, endpoint.name
@@ -466,6 +522,7 @@ class Exchange:
             except orjson.JSONDecodeError:
                 pass
             self.status = "completed"
+        await self.complete()
         await _respond(self.send, resp.status, body, self._response_headers(resp))
 
     async def _relay_stream(self, resp: aiohttp.ClientResponse) -> None:
@@ -489,6 +546,9 @@ class Exchange:
                     elif self.dialect.is_content_event(event):
                         self.streamed_events += 1
                     out.append(event + b"\n\n")
+                    if self.dialect.is_terminal_event(event):
+                        self.status = "completed"
+                        await self.complete()
                 if out:
                     self._first_byte()
                     await self.send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
@@ -498,6 +558,7 @@ class Exchange:
             self.usage.output_tokens = max(self.usage.output_tokens, self.streamed_events)
             self.status = "failed"
             self.http_status = 502
+            await self.complete()
             await self.send(
                 {
                     "type": "http.response.body",
@@ -513,6 +574,7 @@ class Exchange:
         if buffer.strip():
             await self.send({"type": "http.response.body", "body": buffer, "more_body": True})
         self.status = "completed"
+        await self.complete()
         await self.send({"type": "http.response.body", "body": b"", "more_body": False})
 
     def _first_byte(self) -> None:
@@ -527,14 +589,10 @@ class Exchange:
             headers.append((b"cache-control", b"no-cache"))
         return headers + _headers(self.extra_headers)
 
-    async def emit_usage(self) -> None:
-        from tenants.usage_stream import UsageEvent, usage_event_emit
+    def usage_event(self):
+        from tenants.usage_stream import UsageEvent
 
-        if self.status == "cancelled" or (self.status == "failed" and not self.usage.reported):
-            # Count what reached the client when the engine never reported usage.
-            self.usage.output_tokens = max(self.usage.output_tokens, self.streamed_events)
-        now = time.perf_counter()
-        event = UsageEvent(
+        return UsageEvent(
             request_id=self.request_id,
             tenant_id=self.key.tenant_id,
             team_id=self.key.team_id,
@@ -546,11 +604,10 @@ class Exchange:
             cached_prompt_tokens=min(self.usage.cached_tokens, self.usage.prompt_tokens),
             output_tokens=self.usage.output_tokens,
             ttft_ms=round((self.first_byte_at - self.started) * 1000) if self.first_byte_at else None,
-            latency_ms=round((now - self.started) * 1000),
+            latency_ms=round((time.perf_counter() - self.started) * 1000),
             status=self.status,
             created_at=datetime.now(UTC),
         )
-        await usage_event_emit(self.router.redis, event)
 
 
 def _prompt_token_bound(payload: dict) -> int:
@@ -599,6 +656,17 @@ def _parse(body: bytes) -> dict:
     if not isinstance(payload, dict):
         raise HttpError(400, "The request body must be a JSON object.")
     return payload
+
+
+async def _nothing() -> None:
+    return None
+
+
+def _header(scope: dict, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value.decode(errors="replace")
+    return None
 
 
 def _headers(extra: dict | None) -> list[tuple[bytes, bytes]]:

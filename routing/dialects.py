@@ -83,6 +83,9 @@ class Dialect:
     def is_content_event(self, event: bytes) -> bool:
         return event.startswith(b"data: {") and b'"choices":[{' in event
 
+    def is_terminal_event(self, event: bytes) -> bool:
+        return event.startswith(b"data: [DONE]")
+
 
 class AnthropicDialect(Dialect):
     name = "anthropic"
@@ -119,6 +122,9 @@ class AnthropicDialect(Dialect):
     def is_content_event(self, event: bytes) -> bool:
         return b"content_block_delta" in event
 
+    def is_terminal_event(self, event: bytes) -> bool:
+        return event.startswith(b"event: message_stop")
+
 
 class ResponsesDialect(Dialect):
     """OpenAI's Responses API: usage arrives in `response.completed`."""
@@ -146,6 +152,9 @@ class ResponsesDialect(Dialect):
 
     def is_content_event(self, event: bytes) -> bool:
         return b"output_text.delta" in event
+
+    def is_terminal_event(self, event: bytes) -> bool:
+        return b"response.completed" in event.split(b"\n", 1)[0]
 
 
 def _data_of(event: bytes) -> dict | None:

@@ -61,3 +61,21 @@ tokens = Counter(
     ["model", "endpoint", "kind"],
     registry=registry,
 )
+prefix_prompt_tokens = Counter(
+    "router_prefix_prompt_tokens",
+    "Prompt tokens of requests routed by prefix.",
+    ["model", "endpoint"],
+    registry=registry,
+)
+prefix_predicted_tokens = Counter(
+    "router_prefix_predicted_cached_tokens",
+    "Prompt tokens the router predicted the engine had cached.",
+    ["model", "endpoint"],
+    registry=registry,
+)
+prefix_reported_tokens = Counter(
+    "router_prefix_reported_cached_tokens",
+    "Prompt tokens the engine reported as cached.",
+    ["model", "endpoint"],
+    registry=registry,
+)

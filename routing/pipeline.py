@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from .state import DeploymentInfo, EndpointInfo
+from .prefix_index import Held
+from .state import DeploymentInfo, EndpointInfo, PolicyInfo
 
 
 @dataclass
@@ -23,6 +24,11 @@ class RequestContext:
     prompt_tokens_estimate: int = 0
     session_id: str | None = None
     exclude: frozenset[int] = frozenset()  # endpoints already tried for this request
+    block_keys: list[str] = field(default_factory=list)  # the router's keys of the prompt's full blocks
+    block_count: int = 0
+    held: dict[int, Held] = field(default_factory=dict)  # precise: leading blocks each endpoint holds
+    approx_held: dict[int, int] = field(default_factory=dict)  # approximate: leading blocks sent there before
+    session_endpoint: int | None = None
 
 
 @dataclass
@@ -47,7 +53,9 @@ class Filter(Protocol):
 class Scorer(Protocol):
     name: str
 
-    def score(self, ctx: RequestContext, candidates: Sequence[Candidate]) -> list[float]: ...
+    def score(
+        self, ctx: RequestContext, candidates: Sequence[Candidate], policy: PolicyInfo
+    ) -> list[float]: ...
 
 
 def not_excluded(ctx: RequestContext, candidates: list[Candidate]) -> list[Candidate]:
@@ -64,7 +72,7 @@ class QueueScorer:
 
     name = "queue"
 
-    def score(self, ctx, candidates):
+    def score(self, ctx, candidates, policy):
         depths = [c.load.active + c.load.waiting for c in candidates]
         worst = max(depths) or 1
         return [1.0 - depth / worst for depth in depths]
@@ -73,14 +81,81 @@ class QueueScorer:
 class KvUtilizationScorer:
     name = "kv_utilization"
 
-    def score(self, ctx, candidates):
+    def score(self, ctx, candidates, policy):
         return [1.0 - min(1.0, max(0.0, c.load.kv_usage)) for c in candidates]
 
 
+class PrecisePrefixScorer:
+    """The share of the prompt's blocks, from the first, that the engine holds (its KV events say so),
+    weighted by tier: a block in GPU memory counts fully, one in CPU memory less."""
+
+    name = "prefix"
+
+    def score(self, ctx, candidates, policy):
+        if not ctx.block_count:
+            return [0.0] * len(candidates)
+        scores = []
+        for c in candidates:
+            held = ctx.held.get(c.endpoint.id)
+            if held is None:
+                scores.append(0.0)
+                continue
+            weighted = (
+                held.gpu + held.speculative
+            ) * policy.gpu_tier_weight + held.cpu * policy.cpu_tier_weight
+            scores.append(min(1.0, weighted / ctx.block_count))
+        return scores
+
+
+class ApproximatePrefixScorer:
+    """The share of the prompt's leading blocks this router sent to the engine before (for engines without
+    KV events)."""
+
+    name = "prefix"
+
+    def score(self, ctx, candidates, policy):
+        if not ctx.block_count:
+            return [0.0] * len(candidates)
+        return [min(1.0, ctx.approx_held.get(c.endpoint.id, 0) / ctx.block_count) for c in candidates]
+
+
+class SessionAffinityScorer:
+    """1 for the engine that served this `x-session-id` last."""
+
+    name = "session"
+
+    def score(self, ctx, candidates, policy):
+        return [1.0 if c.endpoint.id == ctx.session_endpoint else 0.0 for c in candidates]
+
+
+def load_guard(candidates: list[Candidate], ratio: float) -> None:
+    """Keep affinity from piling everything on one engine: an engine loaded beyond `ratio` times the mean
+    (plus one request of slack) loses its prefix and session scores."""
+    loads = [c.load.active + c.load.waiting for c in candidates]
+    mean = sum(loads) / len(loads)
+    for candidate, load in zip(candidates, loads, strict=True):
+        if load > ratio * mean + 1:
+            candidate.scores["prefix"] = 0.0
+            candidate.scores["session"] = 0.0
+
+
+LOAD_SCORERS: list[tuple[Scorer, str]] = [
+    (QueueScorer(), "queue_weight"),
+    (KvUtilizationScorer(), "kv_utilization_weight"),
+]
+AFFINITY: list[tuple[Scorer, str]] = [(SessionAffinityScorer(), "session_affinity_weight")]
 MODE_SCORERS: dict[str, list[tuple[Scorer, str]]] = {
     # (scorer, the policy attribute holding its weight)
     "round_robin": [],
-    "least_loaded": [(QueueScorer(), "queue_weight"), (KvUtilizationScorer(), "kv_utilization_weight")],
+    "least_loaded": [*LOAD_SCORERS, *AFFINITY],
+    "approximate": [(ApproximatePrefixScorer(), "prefix_weight"), *LOAD_SCORERS, *AFFINITY],
+    "precise": [(PrecisePrefixScorer(), "prefix_weight"), *LOAD_SCORERS, *AFFINITY],
+}
+WEIGHT_OF = {
+    "prefix": "prefix_weight",
+    "queue": "queue_weight",
+    "kv_utilization": "kv_utilization_weight",
+    "session": "session_affinity_weight",
 }
 
 
@@ -104,16 +179,21 @@ class Pipeline:
 
     def choose(
         self, deployment: DeploymentInfo, ctx: RequestContext, loads: dict[int, EndpointLoad]
-    ) -> Candidate | None:
+    ) -> tuple[Candidate | None, list[Candidate]]:
         candidates = [Candidate(e, loads.get(e.id) or EndpointLoad()) for e in deployment.endpoints]
         for keep in self.filters:
             candidates = keep(ctx, candidates)
         if not candidates:
-            return None
-        totals = [0.0] * len(candidates)
-        for scorer, weight_name in MODE_SCORERS.get(deployment.policy.mode, MODE_SCORERS["least_loaded"]):
-            weight = getattr(deployment.policy, weight_name)
-            for index, value in enumerate(scorer.score(ctx, candidates)):
-                candidates[index].scores[scorer.name] = value
-                totals[index] += weight * value
-        return self.picker.pick(deployment, candidates, totals)
+            return None, []
+        policy = deployment.policy
+        scorers = MODE_SCORERS.get(policy.mode, LOAD_SCORERS)
+        for scorer, _ in scorers:
+            for candidate, value in zip(candidates, scorer.score(ctx, candidates, policy), strict=True):
+                candidate.scores[scorer.name] = value
+        if len(candidates) > 1:
+            load_guard(candidates, policy.load_guard_ratio)
+        totals = [
+            sum(getattr(policy, WEIGHT_OF[name]) * value for name, value in c.scores.items())
+            for c in candidates
+        ]
+        return self.picker.pick(deployment, candidates, totals), candidates

@@ -59,6 +59,7 @@ class DeploymentInfo:
     policy: PolicyInfo
     endpoints: tuple[EndpointInfo, ...]
     created: int
+    tokenizer_path: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +162,7 @@ def load_snapshot(version: str = "") -> Snapshot:
             else PolicyInfo(),
             endpoints=tuple(endpoints.get(deployment.id, ())),
             created=int(deployment.created_at.timestamp()),
+            tokenizer_path=deployment.tokenizer or deployment.model_source,
         )
 
     for quota in Quota.objects.all():

@@ -61,7 +61,7 @@ def dead_letter_key() -> str:
     return getattr(settings, "USAGE_DEAD_LETTER_STREAM", "usage:dead")
 
 
-def _stream_maxlen() -> int:
+def stream_maxlen() -> int:
     return getattr(settings, "USAGE_STREAM_MAXLEN", 1_000_000)
 
 
@@ -185,11 +185,11 @@ def _checked(name: str, data: dict[str, Any]) -> Any:
 
 async def usage_event_emit(redis_client: redis.asyncio.Redis, event: UsageEvent) -> None:
     """Append one event to the usage stream (the router's side)."""
-    await redis_client.xadd(stream_key(), {FIELD: event.encode()}, maxlen=_stream_maxlen(), approximate=True)
+    await redis_client.xadd(stream_key(), {FIELD: event.encode()}, maxlen=stream_maxlen(), approximate=True)
 
 
 def usage_event_emit_sync(redis_client: redis.Redis, event: UsageEvent) -> None:
-    redis_client.xadd(stream_key(), {FIELD: event.encode()}, maxlen=_stream_maxlen(), approximate=True)
+    redis_client.xadd(stream_key(), {FIELD: event.encode()}, maxlen=stream_maxlen(), approximate=True)
 
 
 # Consumption ------------------------------------------------------------------------------------------
@@ -443,7 +443,7 @@ def _dead_letter(client: redis.Redis, stream: str, consumer: str, refused: list[
         pipe.xadd(
             dead_letter_key(),
             {"stream": stream, "id": entry.id, "fields": json.dumps(entry.fields), "reason": reason},
-            maxlen=_stream_maxlen(),
+            maxlen=stream_maxlen(),
             approximate=True,
         )
     ids = [entry.id for entry, _ in refused]

@@ -4,35 +4,38 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('serving', '0001_initial'),
+        ("serving", "0001_initial"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='endpoint',
-            name='config_hash',
-            field=models.CharField(blank=True, help_text='Hash of the engine command it was started with.', max_length=64),
+            model_name="endpoint",
+            name="config_hash",
+            field=models.CharField(
+                blank=True, help_text="Hash of the engine command it was started with.", max_length=64
+            ),
         ),
         migrations.AddField(
-            model_name='endpoint',
-            name='next_restart_at',
-            field=models.DateTimeField(blank=True, help_text='A crashed engine is not restarted before this time.', null=True),
+            model_name="endpoint",
+            name="next_restart_at",
+            field=models.DateTimeField(
+                blank=True, help_text="A crashed engine is not restarted before this time.", null=True
+            ),
         ),
         migrations.AddField(
-            model_name='endpoint',
-            name='pid',
+            model_name="endpoint",
+            name="pid",
             field=models.PositiveIntegerField(blank=True, null=True),
         ),
         migrations.AddField(
-            model_name='endpoint',
-            name='restart_count',
+            model_name="endpoint",
+            name="restart_count",
             field=models.PositiveIntegerField(default=0),
         ),
         migrations.AddField(
-            model_name='endpoint',
-            name='started_at',
+            model_name="endpoint",
+            name="started_at",
             field=models.DateTimeField(blank=True, null=True),
         ),
     ]

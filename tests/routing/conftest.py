@@ -62,6 +62,7 @@ def start_router(env_extra: dict | None = None) -> RouterProcess:
         **os.environ,
         "DATABASE_URL": database_url(),
         "ROUTER_CONFIG_POLL_SECONDS": "0.2",
+        "ROUTER_DECISION_LOG_SAMPLE": "1",
         **(env_extra or {}),
     }
     with log_path.open("wb") as log:
@@ -109,9 +110,17 @@ class Fleet:
     other_key: IssuedKey
 
     def sync(self) -> None:
-        """Make the router reload now and wait until it has (it polls every 0.2 s in tests)."""
-        bump_config_version()
-        time.sleep(0.6)
+        """Make the router reload now, and wait until it has."""
+        wait_for_version(self.router, bump_config_version())
+
+
+def wait_for_version(router: RouterProcess, version: int, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if int(httpx.get(f"{router.url}/health").json()["config_version"]) >= version:
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"the router did not reload config version {version}")
 
 
 def make_fleet(router: RouterProcess, engines: list[RunningEngine]) -> Fleet:

@@ -1,0 +1,162 @@
+"""Prefix-aware routing inputs for one request: tokens, block keys, what each endpoint holds, and the records
+to update once an endpoint is chosen."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from array import array
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from django.conf import settings
+
+from . import metrics
+from .affinity import ApproximateIndex, SessionMap
+from .blocks import block_keys, chain_seed, hex_keys
+from .pipeline import Candidate, RequestContext
+from .prefix_index import PrefixIndex
+from .state import DeploymentInfo
+from .tokenize import RouterTokenizer
+
+log = logging.getLogger(__name__)
+decisions = logging.getLogger("routing.decisions")
+PREFIX_MODES = ("approximate", "precise")
+
+
+class PrefixRouting:
+    def __init__(self, redis):
+        self.index = PrefixIndex(redis, settings.ROUTER_SPECULATIVE_TTL_SECONDS)
+        self.approximate = ApproximateIndex(settings.ROUTER_APPROX_BLOCKS_PER_ENDPOINT)
+        self.sessions = SessionMap()
+        self._tokenizers: dict[str, RouterTokenizer | None] = {}
+        # Tokenising runs off the event loop, one piece of work at a time (the piece cache is not shared).
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        self.sample_rate = settings.ROUTER_DECISION_LOG_SAMPLE
+
+    def _tokenizer(self, deployment: DeploymentInfo) -> RouterTokenizer | None:
+        folder = deployment.tokenizer_path
+        if folder not in self._tokenizers:
+            try:
+                path = Path(folder)
+                if not path.is_absolute():
+                    path = settings.BASE_DIR / path
+                self._tokenizers[folder] = RouterTokenizer(path)
+            except Exception as exc:  # a hub id or a broken folder: route without prefix scores
+                log.warning(
+                    "no tokenizer for %s at %s (%s); prefix scores are off for it",
+                    deployment.name,
+                    folder,
+                    exc,
+                )
+                self._tokenizers[folder] = None
+        return self._tokenizers[folder]
+
+    def _tokens(self, deployment: DeploymentInfo, payload: dict, path: str) -> array | None:
+        tokenizer = self._tokenizer(deployment)
+        prompt = payload.get("prompt")
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return array("I", prompt)
+        if tokenizer is None:
+            return None
+        if isinstance(prompt, str):
+            return tokenizer.encode_prompt(prompt)
+        messages = payload.get("messages")
+        if not isinstance(messages, list):
+            return None
+        if path == "/v1/messages":
+            messages = anthropic_as_chat(payload)
+        return tokenizer.encode_chat(messages, tools=payload.get("tools"))
+
+    async def context(
+        self, deployment: DeploymentInfo, payload: dict, path: str, session_id: str | None
+    ) -> RequestContext:
+        ctx = RequestContext(model=deployment.served_model_name, session_id=session_id)
+        if session_id:
+            ctx.session_endpoint = self.sessions.get(f"{deployment.id}:{session_id}")
+        if deployment.policy.mode not in PREFIX_MODES:
+            return ctx
+        try:
+            loop = asyncio.get_running_loop()
+            tokens = await loop.run_in_executor(self._executor, self._tokens, deployment, payload, path)
+        except Exception as exc:  # a template the messages do not fit: the engine will say so
+            log.info("could not tokenise a request for %s: %s", deployment.name, exc)
+            return ctx
+        if tokens is None:
+            return ctx
+        ctx.prompt_tokens_estimate = len(tokens)
+        ctx.block_keys = hex_keys(
+            block_keys(tokens, deployment.block_size, chain_seed(deployment.served_model_name))
+        )
+        ctx.block_count = len(ctx.block_keys)
+        if deployment.policy.mode == "precise":
+            ctx.held = await self.index.lookup(deployment.id, ctx.block_keys)
+        else:
+            ctx.approx_held = self.approximate.lookup(ctx.block_keys)
+        return ctx
+
+    def chosen(
+        self, deployment: DeploymentInfo, ctx: RequestContext, chosen: Candidate, candidates: list[Candidate]
+    ) -> int:
+        """Record the decision; returns the prompt tokens predicted to be cached on the chosen endpoint."""
+        endpoint = chosen.endpoint.id
+        if ctx.session_id:
+            self.sessions.put(f"{deployment.id}:{ctx.session_id}", endpoint)
+        predicted_blocks = 0
+        if ctx.block_keys:
+            if deployment.policy.mode == "precise":
+                held = ctx.held.get(endpoint)
+                predicted_blocks = held.blocks if held else 0
+                task = asyncio.get_running_loop().create_task(
+                    self.index.speculate(deployment.id, endpoint, ctx.block_keys)
+                )
+                task.add_done_callback(_log_failure)
+            else:
+                predicted_blocks = ctx.approx_held.get(endpoint, 0)
+                self.approximate.record(endpoint, ctx.block_keys)
+        if self.sample_rate and random.random() < self.sample_rate:
+            decisions.info(
+                "model=%s chose=%s blocks=%d %s",
+                deployment.served_model_name,
+                chosen.endpoint.name,
+                ctx.block_count,
+                " ".join(f"{c.endpoint.name}:{_fmt(c.scores)}" for c in candidates),
+            )
+        predicted = min(predicted_blocks * deployment.block_size, max(0, ctx.prompt_tokens_estimate - 1))
+        return predicted
+
+    def observe(
+        self, deployment: DeploymentInfo, endpoint_name: str, predicted: int, prompt: int, cached: int
+    ) -> None:
+        """Predicted against engine-reported cached prompt tokens, per endpoint."""
+        labels = (deployment.served_model_name, endpoint_name)
+        metrics.prefix_prompt_tokens.labels(*labels).inc(prompt)
+        metrics.prefix_predicted_tokens.labels(*labels).inc(predicted)
+        metrics.prefix_reported_tokens.labels(*labels).inc(cached)
+
+
+def anthropic_as_chat(payload: dict) -> list[dict]:
+    def text(content) -> str:
+        if isinstance(content, str):
+            return content
+        if isinstance(content, list):
+            return "\n".join(b.get("text", "") if isinstance(b, dict) else str(b) for b in content)
+        return ""
+
+    messages = [{"role": "system", "content": text(payload["system"])}] if payload.get("system") else []
+    for message in payload.get("messages") or []:
+        if isinstance(message, dict):
+            messages.append(
+                {"role": message.get("role", "user"), "content": text(message.get("content", ""))}
+            )
+    return messages
+
+
+def _fmt(scores: dict[str, float]) -> str:
+    return ",".join(f"{name}={value:.2f}" for name, value in sorted(scores.items()))
+
+
+def _log_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("could not write speculative prefix entries: %s", task.exception())

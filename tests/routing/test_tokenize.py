@@ -1,0 +1,65 @@
+"""The router tokenises prompts exactly as the engines do, and a new turn costs only its new text."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from routing.blocks import block_keys, chain_seed
+from routing.tokenize import RouterTokenizer
+
+from ..serving.engines import MODEL_DIR, MODEL_NAME
+
+CONVERSATION = [
+    {"role": "system", "content": "You are a coding agent. Follow the repository's conventions. " * 20},
+    {"role": "user", "content": "Open src/app.py and explain the <|im_end|> handling."},
+    {"role": "assistant", "content": "It strips the marker before parsing."},
+    {"role": "user", "content": [{"type": "text", "text": "Now fix the bug."}]},
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> RouterTokenizer:
+    return RouterTokenizer(MODEL_DIR)
+
+
+@pytest.mark.parametrize("engine_fixture", ["sim_engine", "vllm_engine"])
+def test_it_tokenises_chat_exactly_as_the_engine(request, tokenizer, engine_fixture):
+    engine = request.getfixturevalue(engine_fixture)
+    expected = httpx.post(
+        f"{engine.url}/tokenize", json={"model": MODEL_NAME, "messages": CONVERSATION}, timeout=30
+    ).json()["tokens"]
+    assert list(tokenizer.encode_chat(CONVERSATION)) == expected
+
+
+def test_it_tokenises_completion_prompts_exactly_as_the_engine(tokenizer, sim_engine):
+    prompt = "def parse(line: str) -> list[str]:\n    return line.split(',')\n"
+    expected = httpx.post(f"{sim_engine.url}/tokenize", json={"model": MODEL_NAME, "prompt": prompt}).json()[
+        "tokens"
+    ]
+    assert list(tokenizer.encode_prompt(prompt)) == expected
+
+
+def test_a_new_turn_tokenises_only_its_new_text(tokenizer):
+    history = [{"role": "system", "content": "Context line. " * 5000}]
+    tokenizer.encode_chat(history)
+    misses = tokenizer.cache.misses
+    for turn in range(5):
+        history = [
+            *history,
+            {"role": "user", "content": f"turn {turn}"},
+            {"role": "assistant", "content": "ok"},
+        ]
+        tokenizer.encode_chat(history)
+    # Each turn adds two messages: two new pieces of text (plus the role names, cached after the first turn).
+    assert tokenizer.cache.misses - misses <= 5 * 2 + 4
+
+
+def test_block_keys_chain_and_depend_on_the_model():
+    tokens = list(range(1000, 1300))
+    seed = chain_seed(MODEL_NAME)
+    keys = block_keys(tokens, 128, seed)
+    assert len(keys) == 2  # full blocks only
+    assert block_keys(tokens[128:256], 128, seed, parent=keys[0]) == keys[1:]
+    assert block_keys(tokens, 128, chain_seed("other-model"))[0] != keys[0]
+    assert block_keys([7] + tokens[1:], 128, seed)[1] != keys[1]  # a block's key covers its whole prefix
