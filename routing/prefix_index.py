@@ -9,7 +9,8 @@ Layout (block keys are the router's, 16 hex characters, see routing/blocks.py):
 The KV-event ingester owns `pxe:` and writes "g"/"c" entries; the router writes "s" entries right after each
 routing decision (so a burst of sub-agents sharing a new prefix does not all miss before the events arrive), and
 they lapse after a few seconds unless an event confirms them. A lookup is one Lua script call: it walks the
-prompt's blocks from the first and returns, per endpoint, how many leading blocks it holds in each tier.
+prompt's blocks from the first (or, for long prompts, bisects them) and returns, per endpoint, how many leading
+blocks it holds in each tier. Speculative blocks of a long prompt count as GPU blocks.
 """
 
 from __future__ import annotations
@@ -19,12 +20,22 @@ from dataclasses import dataclass
 
 TIERS = ("g", "c", "s")
 
-LOOKUP = """
-local prefix = ARGV[1]
+# Both lookups take ARGV[1] = "px:{deployment}:" and ARGV[2] = the prompt's block keys, concatenated (16 hex
+# characters each), and return a flat list: endpoint, GPU blocks, CPU blocks, speculative blocks, ...
+
+# The exact walk, block by block from the first, until no endpoint holds the next one. For short prompts.
+LOOKUP_WALK = """
+local prefix, keys = ARGV[1], ARGV[2]
 local alive = nil
 local result = {}
-for i = 2, #ARGV do
-  local fields = redis.call('HGETALL', prefix .. ARGV[i])
+local function emit(endpoint, counts)
+  result[#result + 1] = endpoint
+  result[#result + 1] = counts.g
+  result[#result + 1] = counts.c
+  result[#result + 1] = counts.s
+end
+for i = 1, #keys / 16 do
+  local fields = redis.call('HGETALL', prefix .. string.sub(keys, (i - 1) * 16 + 1, i * 16))
   if #fields == 0 then break end
   local here = {}
   for j = 1, #fields, 2 do here[fields[j]] = fields[j + 1] end
@@ -42,10 +53,7 @@ for i = 2, #ARGV do
         counts[tier] = counts[tier] + 1
         any = true
       else
-        result[#result + 1] = endpoint
-        result[#result + 1] = counts.g
-        result[#result + 1] = counts.c
-        result[#result + 1] = counts.s
+        emit(endpoint, counts)
         alive[endpoint] = nil
       end
     end
@@ -53,15 +61,46 @@ for i = 2, #ARGV do
   end
 end
 if alive then
-  for endpoint, counts in pairs(alive) do
-    result[#result + 1] = endpoint
-    result[#result + 1] = counts.g
-    result[#result + 1] = counts.c
-    result[#result + 1] = counts.s
-  end
+  for endpoint, counts in pairs(alive) do emit(endpoint, counts) end
 end
 return result
 """
+
+# For long prompts: per endpoint holding the first block, a binary search for the last block it holds, and
+# another for where its GPU blocks end and its CPU blocks begin. Exact when an engine's cached blocks of a prompt
+# form a prefix with the GPU part first, which is how prefix caches evict (a chain's tail goes first);
+# O(endpoints x log blocks) Redis reads instead of one per block.
+LOOKUP_BISECT = """
+local prefix, keys = ARGV[1], ARGV[2]
+local n = #keys / 16
+local function key(i) return prefix .. string.sub(keys, (i - 1) * 16 + 1, i * 16) end
+local result = {}
+local first = redis.call('HGETALL', key(1))
+for j = 1, #first, 2 do
+  local endpoint = first[j]
+  local lo, hi = 1, n
+  while lo < hi do
+    local mid = math.floor((lo + hi + 1) / 2)
+    if redis.call('HEXISTS', key(mid), endpoint) == 1 then lo = mid else hi = mid - 1 end
+  end
+  local depth = lo
+  local fast = 0
+  if first[j + 1] ~= 'c' then
+    local glo, ghi = 1, depth
+    while glo < ghi do
+      local mid = math.floor((glo + ghi + 1) / 2)
+      if redis.call('HGET', key(mid), endpoint) ~= 'c' then glo = mid else ghi = mid - 1 end
+    end
+    fast = glo
+  end
+  result[#result + 1] = endpoint
+  result[#result + 1] = fast
+  result[#result + 1] = depth - fast
+  result[#result + 1] = 0
+end
+return result
+"""
+BISECT_FROM_BLOCKS = 64
 
 # ARGV: deployment, endpoint, expires_at, block keys... Never downgrades a real entry to speculative.
 SPECULATE = """
@@ -116,14 +155,16 @@ class PrefixIndex:
     def __init__(self, redis, speculative_ttl_s: float = 3.0):
         self.redis = redis
         self.speculative_ttl_s = speculative_ttl_s
-        self._lookup = redis.register_script(LOOKUP)
+        self._walk = redis.register_script(LOOKUP_WALK)
+        self._bisect = redis.register_script(LOOKUP_BISECT)
         self._speculate = redis.register_script(SPECULATE)
         self._expire = redis.register_script(EXPIRE_SPECULATIVE)
 
     async def lookup(self, deployment_id: int, block_keys: list[str]) -> dict[int, Held]:
         if not block_keys:
             return {}
-        flat = await self._lookup(args=[f"px:{deployment_id}:", *block_keys])
+        script = self._bisect if len(block_keys) >= BISECT_FROM_BLOCKS else self._walk
+        flat = await script(args=[f"px:{deployment_id}:", "".join(block_keys)])
         held = {}
         for index in range(0, len(flat), 4):
             endpoint = int(flat[index])

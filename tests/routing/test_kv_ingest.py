@@ -20,7 +20,7 @@ from inference_platform.config_version import bump_config_version
 from routing.blocks import block_keys, chain_seed, hex_keys
 from routing.kv_ingest import Source
 from routing.kv_ingest_stream import KVIngester
-from routing.prefix_index import LOOKUP, SPECULATE
+from routing.prefix_index import LOOKUP_WALK, SPECULATE
 from serving.models import Endpoint, Health, ModelDeployment, Pool
 
 from ..serving.engines import (
@@ -178,9 +178,9 @@ def complete(engine: RunningEngine, tokens: list[int]) -> None:
 
 
 def lookup(client: redis.Redis, deployment: ModelDeployment, tokens: list[int]) -> dict[int, tuple]:
-    """Per endpoint, (gpu, cpu, speculative) leading blocks held, by the router's LOOKUP script."""
+    """Per endpoint, (gpu, cpu, speculative) leading blocks held, by the router's exact lookup script."""
     keys = hex_keys(block_keys(tokens, BLOCK, SEED))
-    flat = client.register_script(LOOKUP)(args=[f"px:{deployment.id}:", *keys])
+    flat = client.register_script(LOOKUP_WALK)(args=[f"px:{deployment.id}:", "".join(keys)])
     return {int(flat[i]): tuple(int(v) for v in flat[i + 1 : i + 4]) for i in range(0, len(flat), 4)}
 
 
