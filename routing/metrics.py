@@ -1,5 +1,7 @@
 """The router's own Prometheus metrics. Labels: model, endpoint and status only, never a key."""
 
+import functools
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 LATENCY_BUCKETS = (
@@ -79,3 +81,9 @@ prefix_reported_tokens = Counter(
     ["model", "endpoint"],
     registry=registry,
 )
+
+
+@functools.lru_cache(maxsize=8192)
+def of(metric, *labels: str):
+    """A metric's child for these label values, looked up once (labels() takes a lock and builds a tuple)."""
+    return metric.labels(*labels)

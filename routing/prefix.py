@@ -131,9 +131,9 @@ class PrefixRouting:
     ) -> None:
         """Predicted against engine-reported cached prompt tokens, per endpoint."""
         labels = (deployment.served_model_name, endpoint_name)
-        metrics.prefix_prompt_tokens.labels(*labels).inc(prompt)
-        metrics.prefix_predicted_tokens.labels(*labels).inc(predicted)
-        metrics.prefix_reported_tokens.labels(*labels).inc(cached)
+        metrics.of(metrics.prefix_prompt_tokens, *labels).inc(prompt)
+        metrics.of(metrics.prefix_predicted_tokens, *labels).inc(predicted)
+        metrics.of(metrics.prefix_reported_tokens, *labels).inc(cached)
 
 
 def anthropic_as_chat(payload: dict) -> list[dict]:
