@@ -26,11 +26,12 @@ from redis.exceptions import RedisError
 from . import metrics
 from .admission import Admission, cost_units
 from .dialects import ANTHROPIC, OPENAI, RESPONSES, Dialect, Usage
+from .disagg import decode_body, plan_disaggregated, plan_peer_pull, prefill_body
 from .finisher import Finisher
 from .load_scraper import LOAD_KEY
-from .pipeline import EndpointLoad, Pipeline, RequestContext
+from .pipeline import PREFILL_ROLES, Candidate, EndpointLoad, Pipeline, RequestContext
 from .prefix import PrefixRouting
-from .state import DeploymentInfo, KeyInfo, Snapshot, load_snapshot
+from .state import DeploymentInfo, EndpointInfo, KeyInfo, Snapshot, load_snapshot
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ GENERATION_ROUTES: dict[str, Dialect] = {
     "/v1/responses": RESPONSES,
 }
 CONFIG_VERSION_KEY = "platform:config:version"
+DISAGG_PATHS = ("/v1/completions", "/v1/chat/completions")
 JSON_HEADERS = [(b"content-type", b"application/json")]
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
 
@@ -321,11 +323,13 @@ class Router:
             nonlocal finished
             if not finished:
                 finished = True
+                exchange.finalize_usage()
                 usage = exchange.usage
                 spend = cost_units(prices, usage.prompt_tokens, usage.cached_tokens, usage.output_tokens)
                 await self._finish(exchange, decision.reservation, usage, spend)
 
         exchange.complete = complete
+        exchange.payload = payload
         try:
             await exchange.run()
         finally:
@@ -426,6 +430,10 @@ class Exchange:
         self.ctx = ctx
         self.predicted_cached = 0
         self.complete = _nothing  # set by the router: settle and meter, once
+        self.payload: dict = {}
+        self.pd_done = False
+        self.prefill_usage: Usage | None = None
+        self.prefill_endpoint = ""
 
     @property
     def model(self) -> str:
@@ -443,9 +451,7 @@ class Exchange:
             raise
         finally:
             watcher.cancel()
-            if self.status == "cancelled" or (self.status == "failed" and not self.usage.reported):
-                # The engine never reported usage: bill what reached the client.
-                self.usage.output_tokens = max(self.usage.output_tokens, self.streamed_events)
+            self.finalize_usage()
             metrics.of(metrics.requests, self.model, self.endpoint_name, str(self.http_status)).inc()
             metrics.of(metrics.latency, self.model, self.endpoint_name).observe(
                 time.perf_counter() - self.started
@@ -479,10 +485,11 @@ class Exchange:
             endpoint = candidate.endpoint
             tried.add(endpoint.id)
             self.endpoint_url, self.endpoint_name = endpoint.url, endpoint.name
+            body = await self._prefill_elsewhere(candidate, candidates)
             load = self.router.loads.setdefault(endpoint.id, EndpointLoad())
             load.active += 1
             try:
-                if await self._try(endpoint.url):
+                if await self._try(endpoint.url, body):
                     return
                 last_error = f"engine {endpoint.name} answered {self.http_status}"
             except (TimeoutError, aiohttp.ClientConnectionError) as exc:
@@ -501,12 +508,60 @@ class Exchange:
             JSON_HEADERS,
         )
 
-    async def _try(self, base_url: str) -> bool:
+    async def _prefill_elsewhere(self, decode: Candidate, candidates: list[Candidate]) -> bytes:
+        """Run the prefill leg on another engine when the plan says so; the body for the decode engine."""
+        if self.dialect is not OPENAI or self.scope["path"] not in DISAGG_PATHS or self.pd_done:
+            return self.body
+
+        def prefill_choice():
+            chosen, _ = self.router.pipeline.choose(
+                self.deployment, self.ctx, self.router.loads, PREFILL_ROLES
+            )
+            return chosen
+
+        plan = plan_disaggregated(self.deployment, self.ctx, decode, prefill_choice)
+        if plan.kind == "aggregated":
+            plan = plan_peer_pull(self.deployment, self.ctx, decode, candidates)
+        metrics.of(metrics.plans, self.model, plan.kind).inc()
+        if plan.prefill is None:
+            return self.body
+        self.pd_done = True  # a retry of the decode leg recomputes rather than prefilling twice
+        params = await self._prefill_leg(plan.prefill)
+        if params is None:
+            metrics.of(metrics.errors, self.model, "prefill_leg").inc()
+            return self.body  # the decode engine prefills itself
+        return decode_body(self.payload, params)
+
+    async def _prefill_leg(self, endpoint: EndpointInfo) -> dict | None:
+        headers = {"content-type": "application/json", "x-request-id": self.request_id}
+        load = self.router.loads.setdefault(endpoint.id, EndpointLoad())
+        load.active += 1
+        try:
+            async with self.router.session.post(
+                endpoint.url + self.scope["path"], data=prefill_body(self.payload), headers=headers
+            ) as resp:
+                if resp.status != 200:
+                    await resp.read()
+                    return None
+                answer = orjson.loads(await resp.read())
+        except (TimeoutError, aiohttp.ClientError, orjson.JSONDecodeError) as exc:
+            log.info("prefill leg on %s failed (%s); the decode engine prefills itself", endpoint.name, exc)
+            return None
+        finally:
+            load.active -= 1
+        params = answer.get("kv_transfer_params")
+        if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+            return None
+        self.prefill_usage = OPENAI.usage_from_body(answer)
+        self.prefill_endpoint = endpoint.name
+        return params
+
+    async def _try(self, base_url: str, body: bytes) -> bool:
         """One attempt. False means: failed before anything reached the client, so another engine may serve it."""
         headers = {"content-type": "application/json", "x-request-id": self.request_id}
         sent_at = time.perf_counter()
         async with self.router.session.post(
-            base_url + self.scope["path"], data=self.body, headers=headers
+            base_url + self.scope["path"], data=body, headers=headers
         ) as resp:
             metrics.of(metrics.added, self.model).observe(sent_at - self.started)
             if resp.status >= 500:
@@ -598,6 +653,15 @@ class Exchange:
         if self.stream:
             headers.append((b"cache-control", b"no-cache"))
         return headers + _headers(self.extra_headers)
+
+    def finalize_usage(self) -> None:
+        """The usage to bill, once the answer is over or has failed. Safe to call more than once."""
+        if self.prefill_usage is not None and self.usage.reported:
+            # The prompt counts once, with the cached tokens of the leg that did the prefill.
+            self.usage.cached_tokens = min(self.prefill_usage.cached_tokens, self.usage.prompt_tokens)
+        if self.status == "cancelled" or (self.status == "failed" and not self.usage.reported):
+            # The engine never reported usage: bill what reached the client.
+            self.usage.output_tokens = max(self.usage.output_tokens, self.streamed_events)
 
     def usage_event(self):
         from tenants.usage_stream import UsageEvent

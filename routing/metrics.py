@@ -63,6 +63,12 @@ tokens = Counter(
     ["model", "endpoint", "kind"],
     registry=registry,
 )
+plans = Counter(
+    "router_plans",
+    "Routing plans by kind: aggregated, disaggregated (P/D) or peer_pull.",
+    ["model", "kind"],
+    registry=registry,
+)
 prefix_prompt_tokens = Counter(
     "router_prefix_prompt_tokens",
     "Prompt tokens of requests routed by prefix.",

