@@ -14,7 +14,7 @@ from pathlib import Path
 
 from django.conf import settings
 
-from .models import EngineKind, KvConnector, ModelDeployment, Pool, PoolRole
+from .models import EngineKind, KvConnector, ModelDeployment, Pool, PoolRole, SpeculativeMethod
 
 ENGINE_HOST = "127.0.0.1"
 
@@ -69,15 +69,82 @@ def _program(deployment: ModelDeployment) -> list[str]:
     return [str(settings.ENGINE_PYTHON), "-m", "vllm.entrypoints.openai.api_server"]
 
 
+# ngram proposer settings rendered explicitly: vLLM 0.32's own defaults when neither is given
+# (config/speculative.py), spelled out so the command says what runs.
+NGRAM_PROMPT_LOOKUP_MAX = 5
+NGRAM_PROMPT_LOOKUP_MIN = 5
+
+
 def _check_supported(pool: Pool) -> None:
-    if pool.kv_connector in (KvConnector.OFFLOADING, KvConnector.MULTI):
+    offloading = pool.kv_connector in (KvConnector.OFFLOADING, KvConnector.MULTI)
+    if offloading and not pool.cpu_offload_bytes:
         raise UnsupportedEngineOption(
-            f"pool {pool.name}: the {pool.kv_connector} (CPU offload) is not rendered for engines yet"
+            f"pool {pool.name}: the {pool.kv_connector} needs cpu_offload_bytes > 0 "
+            "(vLLM's CPU offloading spec refuses to start without cpu_bytes_to_use)"
         )
-    if pool.speculative_method:
+    if pool.speculative_method == SpeculativeMethod.EAGLE:
         raise UnsupportedEngineOption(
-            f"pool {pool.name}: speculative decoding ({pool.speculative_method}) is not rendered for engines yet"
+            f"pool {pool.name}: EAGLE speculative decoding needs a draft model, which a pool cannot name yet; "
+            'put a full --speculative-config (with "model") in the pool\'s extra engine args instead'
         )
+    if pool.speculative_method and not pool.num_speculative_tokens:
+        raise UnsupportedEngineOption(
+            f"pool {pool.name}: speculative decoding ({pool.speculative_method}) needs num_speculative_tokens"
+        )
+
+
+def _offloading_connector(pool: Pool, kv_role: str) -> dict:
+    """vLLM's OffloadingConnector with its default CPUOffloadingSpec (v1/kv_offload/cpu/spec.py).
+
+    With KV events on, `self_describing_kv_events` makes its CPU BlockStored events carry token ids, parent
+    hash and block size (offloading/events.py); without it they are placeholders (no tokens, block_size 0)
+    that a prefix index keyed by token ids cannot use.
+    """
+    extra: dict = {"cpu_bytes_to_use": int(pool.cpu_offload_bytes)}
+    if pool.enable_kv_events:
+        extra["self_describing_kv_events"] = True
+    return {
+        "kv_connector": KvConnector.OFFLOADING.value,
+        "kv_role": kv_role,
+        "kv_connector_extra_config": extra,
+    }
+
+
+def _nixl_connector(kv_role: str) -> dict:
+    return {"kv_connector": KvConnector.NIXL.value, "kv_role": kv_role, "kv_buffer_device": "cpu"}
+
+
+def kv_transfer_config(pool: Pool) -> dict | None:
+    """The --kv-transfer-config of a pool, or None without a connector.
+
+    MultiConnector (distributed/kv_transfer/kv_connector/v1/multi_connector.py) takes its children as full
+    KVTransferConfig dicts under kv_connector_extra_config.connectors; each child needs its own kv_role.
+    It loads from the first child that has the tokens, so NIXL (a remote prefill) comes before the CPU tier.
+    """
+    kv_role = KV_ROLES[PoolRole(pool.role)]
+    if pool.kv_connector == KvConnector.NIXL:
+        return _nixl_connector(kv_role)
+    if pool.kv_connector == KvConnector.OFFLOADING:
+        return _offloading_connector(pool, kv_role)
+    if pool.kv_connector == KvConnector.MULTI:
+        return {
+            "kv_connector": KvConnector.MULTI.value,
+            "kv_role": kv_role,
+            "kv_connector_extra_config": {
+                "connectors": [_nixl_connector(kv_role), _offloading_connector(pool, kv_role)]
+            },
+        }
+    return None
+
+
+def speculative_config(pool: Pool) -> dict | None:
+    """The --speculative-config of a pool (vLLM's SpeculativeConfig keys), or None."""
+    if not pool.speculative_method:
+        return None
+    config: dict = {"method": pool.speculative_method, "num_speculative_tokens": pool.num_speculative_tokens}
+    if pool.speculative_method == SpeculativeMethod.NGRAM:
+        config |= {"prompt_lookup_max": NGRAM_PROMPT_LOOKUP_MAX, "prompt_lookup_min": NGRAM_PROMPT_LOOKUP_MIN}
+    return config
 
 
 def render_engine_command(*, deployment: ModelDeployment, pool: Pool, ports: EnginePorts) -> EngineCommand:
@@ -85,7 +152,7 @@ def render_engine_command(*, deployment: ModelDeployment, pool: Pool, ports: Eng
     _check_supported(pool)
     if pool.enable_kv_events and ports.kv_events is None:
         raise ValueError("a pool with KV events needs a KV events port")
-    nixl = pool.kv_connector == KvConnector.NIXL
+    nixl = pool.kv_connector in (KvConnector.NIXL, KvConnector.MULTI)
     if nixl and ports.side_channel is None:
         raise ValueError("a pool with the NIXL connector needs a side channel port")
 
@@ -123,13 +190,12 @@ def render_engine_command(*, deployment: ModelDeployment, pool: Pool, ports: Eng
             "topic": f"kv@{ENGINE_HOST}:{ports.http}@{deployment.served_model_name}",
         }
         argv += ["--kv-events-config", json.dumps(events, separators=(",", ":"))]
-    if nixl:
-        transfer = {
-            "kv_connector": KvConnector.NIXL.value,
-            "kv_role": KV_ROLES[PoolRole(pool.role)],
-            "kv_buffer_device": "cpu",
-        }
+    transfer = kv_transfer_config(pool)
+    if transfer is not None:
         argv += ["--kv-transfer-config", json.dumps(transfer, separators=(",", ":"))]
+    speculative = speculative_config(pool)
+    if speculative is not None:
+        argv += ["--speculative-config", json.dumps(speculative, separators=(",", ":"))]
     if pool.tensor_parallel_size > 1:
         argv += ["--tensor-parallel-size", str(pool.tensor_parallel_size)]
     if pool.data_parallel_size > 1:

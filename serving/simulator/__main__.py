@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import logging
+import mmap
 import os
 import signal
 import sys
@@ -15,7 +16,7 @@ from aiohttp import web
 
 from .engine import Engine, Timing
 from .events import KVEventPublisher
-from .kv_cache import BlockPool
+from .kv_cache import BlockPool, CpuTier
 from .metrics import EngineMetrics
 from .server import ServedModel, SideChannel, SimulatorApp, remote_puller
 from .tokenizer import ModelTokenizer
@@ -36,6 +37,7 @@ IGNORED_VALUE_FLAGS = [
     "--prefix-caching-hash-algo",
     "--swap-space",
     "--max-num-batched-tokens",
+    "--kv-offloading-backend",
 ]
 IGNORED_SWITCHES = [
     "--enforce-eager",
@@ -45,6 +47,10 @@ IGNORED_SWITCHES = [
     "--enable-chunked-prefill",
     "--disable-log-stats",
 ]
+
+
+# A CPU-tier load costs this fraction of recomputing the same tokens unless --cpu-restore-time-per-token says.
+CPU_RESTORE_FRACTION = 0.1
 
 
 def json_arg(text: str) -> dict:
@@ -92,6 +98,26 @@ def parser() -> argparse.ArgumentParser:
         default=0.0,
         help="extra seconds per output token for every other running sequence",
     )
+    p.add_argument(
+        "--kv-offloading-size",
+        type=float,
+        default=None,
+        help="GiB of CPU memory for offloaded KV blocks (vLLM's native OffloadingConnector)",
+    )
+    sim.add_argument(
+        "--cpu-offload-blocks",
+        type=int,
+        default=None,
+        help="CPU tier capacity in blocks; defaults to the offloading connector's cpu_bytes_to_use "
+        "(or --kv-offloading-size) divided by the model's KV bytes per block",
+    )
+    sim.add_argument(
+        "--cpu-restore-time-per-token",
+        type=float,
+        default=None,
+        help="seconds per prompt token loaded back from the CPU tier; "
+        f"defaults to {CPU_RESTORE_FRACTION} of --prefill-time-per-token",
+    )
     sim.add_argument(
         "--kv-transfer-time-per-token",
         type=float,
@@ -103,6 +129,57 @@ def parser() -> argparse.ArgumentParser:
     for flag in IGNORED_SWITCHES:
         p.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
     return p
+
+
+def model_config(args) -> dict:
+    try:
+        with open(os.path.join(args.model, "config.json")) as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return {}
+
+
+def kv_bytes_per_block(config: dict, block_size: int) -> int:
+    """Bytes of K and V for one block of all layers, as vLLM sizes a full-attention page (16-bit dtype)."""
+    heads = int(config.get("num_attention_heads", 32))
+    kv_heads = int(config.get("num_key_value_heads", heads))
+    head_dim = int(config.get("head_dim") or int(config.get("hidden_size", 4096)) // heads)
+    layers = int(config.get("num_hidden_layers", 32))
+    dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
+    dtype_bytes = 4 if dtype in ("float32", "float") else 2
+    return 2 * layers * kv_heads * head_dim * dtype_bytes * block_size
+
+
+def offloading_bytes(args) -> int | None:
+    """CPU bytes for offloaded KV from the command line: vLLM's OffloadingConnector (alone or as a
+    MultiConnector child) `cpu_bytes_to_use`, else --kv-offloading-size GiB."""
+    transfer = args.kv_transfer_config or {}
+    connectors = [transfer]
+    if transfer.get("kv_connector") == "MultiConnector":
+        connectors = (transfer.get("kv_connector_extra_config") or {}).get("connectors") or []
+    for connector in connectors:
+        if connector.get("kv_connector") == "OffloadingConnector":
+            value = (connector.get("kv_connector_extra_config") or {}).get("cpu_bytes_to_use")
+            if not value:
+                raise SystemExit(
+                    "OffloadingConnector: cpu_bytes_to_use must be specified in kv_connector_extra_config"
+                )
+            return int(value)
+    if args.kv_offloading_size:
+        return int(args.kv_offloading_size * (1 << 30))
+    return None
+
+
+def cpu_offload_blocks(args) -> int:
+    """The CPU tier's capacity in blocks, 0 without one."""
+    if args.cpu_offload_blocks is not None:
+        return max(0, args.cpu_offload_blocks)
+    size = offloading_bytes(args)
+    if not size:
+        return 0
+    per_block = kv_bytes_per_block(model_config(args), args.block_size)
+    page = mmap.PAGESIZE  # vLLM aligns each offloaded chunk to the page size
+    return size // (-(-per_block // page) * page)
 
 
 def max_model_len(args) -> int:
@@ -141,12 +218,23 @@ async def serve(args) -> None:
         )
         events_config["endpoint"] = publisher.endpoint
         publisher.start()
+    cpu_blocks = cpu_offload_blocks(args)
+    cpu = None
+    if cpu_blocks:
+        cpu = CpuTier(
+            cpu_blocks,
+            args.block_size,
+            on_stored=publisher.block_stored if publisher else None,
+            on_removed=publisher.block_removed if publisher else None,
+        )
+        log.info("CPU offload tier of %d blocks", cpu_blocks)
     pool = BlockPool(
         args.num_gpu_blocks_override or args.kv_cache_blocks,
         args.block_size,
         on_stored=publisher.block_stored if publisher else None,
         on_removed=publisher.block_removed if publisher else None,
         on_cleared=publisher.all_cleared if publisher else None,
+        cpu=cpu,
     )
     session: aiohttp.ClientSession | None = None
 
@@ -175,6 +263,9 @@ async def serve(args) -> None:
             args.decode_time,
             args.decode_time_per_seq,
             args.kv_transfer_time_per_token,
+            args.cpu_restore_time_per_token
+            if args.cpu_restore_time_per_token is not None
+            else CPU_RESTORE_FRACTION * args.prefill_time_per_token,
         ),
         output_pool=tokenizer.output_pool,
         seed=args.seed,

@@ -2,7 +2,8 @@
 
 - At most `max_num_seqs` requests run; the rest wait in arrival order until a slot and enough KV blocks free up.
 - Prefill is one compute lane: requests prefill one after another, each taking `prefill_overhead` plus
-  `prefill_time_per_token` for every prompt token not found in the prefix cache (or received from a peer).
+  `prefill_time_per_token` for every prompt token not found in the prefix cache (or received from a peer),
+  plus `cpu_restore_time_per_token` for every token loaded back from the CPU tier (when there is one).
 - Decode streams one token every `decode_time + decode_time_per_seq * (running - 1)` seconds.
 - Generation is deterministic: the same prompt and seed give the same tokens.
 """
@@ -30,6 +31,7 @@ class Timing:
     decode_time: float = 0.0
     decode_time_per_seq: float = 0.0
     kv_transfer_time_per_token: float = 0.0
+    cpu_restore_time_per_token: float = 0.0
 
 
 @dataclass
@@ -41,7 +43,8 @@ class Request:
     kv_transfer_params: dict | None = None
     arrival: float = field(default_factory=time.monotonic)
     # Filled in as the request runs.
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # GPU prefix hits plus tokens restored from the CPU tier, as vLLM's usage counts
+    restored_tokens: int = 0  # the part of cached_tokens loaded from the CPU tier
     transferred_tokens: int = 0
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -142,7 +145,8 @@ class Engine:
         self._update_gauges()
         async with self._changed:
             while True:
-                hit = min(self.pool.longest_prefix(hashes), (total - 1) // size) if hashes else 0
+                limit = (total - 1) // size  # the last token is always computed
+                hit = min(self.pool.longest_prefix(hashes), limit) if hashes else 0
                 new_blocks = math.ceil(total / size) - hit
                 if (
                     self._waiting[0] is request
@@ -155,7 +159,15 @@ class Engine:
             self.pool.acquire(hashes[:hit], allocation)
             self.pool.allocate_private(new_blocks, allocation, force=True)
             self.running += 1
-            request.cached_tokens = hit * size
+            restored = 0
+            cpu = self.pool.cpu
+            if cpu is not None and hashes:
+                # The connector loads what follows the GPU hit from the CPU tier into the new blocks.
+                restored = min(cpu.longest_prefix(hashes, hit), limit - hit)
+                # vLLM's LRU policy touches every block the request used, head to tail (GPU hits included).
+                cpu.touch(hashes)
+            request.restored_tokens = restored * size
+            request.cached_tokens = (hit + restored) * size
             self._changed.notify_all()
         self._update_gauges()
 
@@ -178,13 +190,21 @@ class Engine:
                 self.metrics.nixl_bytes.observe(max(0, received - request.cached_tokens) * 1024)
             request.transferred_tokens = max(0, min(received, total) - request.cached_tokens)
         compute = total - request.cached_tokens - request.transferred_tokens
+        restore = request.restored_tokens * self.timing.cpu_restore_time_per_token
         async with self._prefill_lane:
-            await asyncio.sleep(self.timing.prefill_overhead + compute * self.timing.prefill_time_per_token)
+            await asyncio.sleep(
+                self.timing.prefill_overhead + compute * self.timing.prefill_time_per_token + restore
+            )
+        local_hit = request.cached_tokens - request.restored_tokens
         self.metrics.prefix_queries.inc(total)
-        self.metrics.prefix_hits.inc(request.cached_tokens)
+        self.metrics.prefix_hits.inc(local_hit)  # vLLM counts connector loads apart, as external hits
+        if self.pool.cpu is not None and total > local_hit:
+            self.metrics.external_prefix_queries.inc(total - local_hit)
+            self.metrics.external_prefix_hits.inc(request.restored_tokens)
         self.metrics.prompt_tokens.inc(total)
         if self.prefix_caching:
-            hit_blocks = request.cached_tokens // self.pool.block_size
+            # Restored blocks are written into GPU blocks and cached there again (a new GPU BlockStored).
+            hit_blocks = local_hit // self.pool.block_size
             size = self.pool.block_size
             self.pool.commit_full_blocks(
                 hashes[hit_blocks:], request.prompt_ids[hit_blocks * size : len(hashes) * size], allocation

@@ -1,4 +1,5 @@
-"""A bounded KV cache of fixed-size blocks with prefix caching over full blocks and LRU eviction.
+"""A bounded KV cache of fixed-size blocks with prefix caching over full blocks and LRU eviction, and an
+optional CPU tier below it (vLLM's OffloadingConnector with its CPU spec and LRU policy).
 
 Block hashes follow vLLM's default scheme (sha256 over a pickle of parent hash, block token ids and extra
 keys, seeded from PYTHONHASHSEED), so a block gets the same hash here as on a vLLM engine with the same seed.
@@ -64,6 +65,7 @@ class BlockPool:
         on_stored: Callable[[dict], None] | None = None,
         on_removed: Callable[[dict], None] | None = None,
         on_cleared: Callable[[], None] | None = None,
+        cpu: CpuTier | None = None,
     ):
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
@@ -78,6 +80,7 @@ class BlockPool:
         self._on_stored = on_stored or (lambda event: None)
         self._on_removed = on_removed or (lambda event: None)
         self._on_cleared = on_cleared or (lambda: None)
+        self.cpu = cpu  # the offload tier every newly computed full block is written through to
 
     # --- accounting ---------------------------------------------------------------------------------
     @property
@@ -151,6 +154,8 @@ class BlockPool:
             block.refs += 1
         if run:
             self._announce(hashes, token_ids, run, allocation)
+        if self.cpu is not None and hashes:
+            self.cpu.store(hashes, token_ids, allocation.hashes[-1] if allocation.hashes else None)
         allocation.hashes.extend(hashes)
 
     def _announce(self, hashes, token_ids, run: list[int], allocation: Allocation) -> None:
@@ -186,6 +191,8 @@ class BlockPool:
             return False
         self._cached.clear()
         self._evictable.clear()
+        if self.cpu is not None:
+            self.cpu.clear()  # the one AllBlocksCleared event tells indexes to forget every tier
         self._on_cleared()
         return True
 
@@ -198,3 +205,90 @@ class BlockPool:
             unused += 1
             self._on_removed({"block_hashes": [external_hash(block_hash)], "medium": self.medium})
         return unused >= needed
+
+
+class CpuTier:
+    """The CPU tier of vLLM's OffloadingConnector: a bounded LRU of full blocks, keyed by the same hashes.
+
+    As in vLLM 0.32 (OffloadingConnectorScheduler._build_store_jobs), blocks are written through: every full
+    block a request computes is stored here as well as on the GPU, not when the GPU evicts it. A GPU eviction
+    then only drops the GPU copy, and a later request whose prefix continues into blocks held here loads them
+    instead of recomputing them. Stored blocks are announced with medium "CPU" and whole token ids (vLLM with
+    `self_describing_kv_events`); blocks dropped by the LRU are announced as BlockRemoved with medium "CPU".
+    """
+
+    medium = "CPU"
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        on_stored: Callable[[dict], None] | None = None,
+        on_removed: Callable[[dict], None] | None = None,
+    ):
+        if num_blocks < 1:
+            raise ValueError("the CPU tier needs at least one block")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._blocks: OrderedDict[bytes, None] = OrderedDict()  # least recently used first
+        self._on_stored = on_stored or (lambda event: None)
+        self._on_removed = on_removed or (lambda event: None)
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def contains(self, block_hash: bytes) -> bool:
+        return block_hash in self._blocks
+
+    def longest_prefix(self, hashes: Sequence[bytes], start: int = 0) -> int:
+        """How many blocks from `hashes[start]` on are held here, one after another."""
+        count = 0
+        for block_hash in hashes[start:]:
+            if block_hash not in self._blocks:
+                break
+            count += 1
+        return count
+
+    def touch(self, hashes: Sequence[bytes]) -> None:
+        """Mark blocks as just used (a request is loading them)."""
+        for block_hash in hashes:
+            if block_hash in self._blocks:
+                self._blocks.move_to_end(block_hash)
+
+    def store(self, hashes: Sequence[bytes], token_ids: Sequence[int], parent: bytes | None) -> None:
+        """Store consecutive full blocks (`token_ids` are theirs, `parent` the hash before the first one).
+
+        Blocks already held are refreshed; new ones evict the least recently used blocks to make room. New
+        blocks go out as one BlockStored per run of consecutive new blocks.
+        """
+        size = self.block_size
+        fresh = [i for i, h in enumerate(hashes) if h not in self._blocks][: self.num_blocks]
+        self.touch(hashes)
+        evicted = []
+        while self._blocks and len(self._blocks) + len(fresh) > self.num_blocks:
+            evicted.append(self._blocks.popitem(last=False)[0])
+        if evicted:
+            self._on_removed({"block_hashes": [external_hash(h) for h in evicted], "medium": self.medium})
+        runs: list[list[int]] = []
+        for index in fresh:
+            self._blocks[hashes[index]] = None
+            if runs and runs[-1][-1] == index - 1:
+                runs[-1].append(index)
+            else:
+                runs.append([index])
+        for run in runs:
+            first = run[0]
+            before = hashes[first - 1] if first > 0 else parent
+            self._on_stored(
+                {
+                    "block_hashes": [external_hash(hashes[i]) for i in run],
+                    "parent_block_hash": external_hash(before) if before else None,
+                    "token_ids": list(token_ids[first * size : (run[-1] + 1) * size]),
+                    "block_size": size,
+                    "medium": self.medium,
+                }
+            )
+
+    def clear(self) -> None:
+        self._blocks.clear()

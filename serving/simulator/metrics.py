@@ -100,6 +100,17 @@ class EngineMetrics:
         self.prefix_hits = counter(
             "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
         )
+        # KV connector hits (here: blocks loaded from the CPU offload tier), counted apart from GPU hits.
+        self.external_prefix_queries = counter(
+            "vllm:external_prefix_cache_queries",
+            "External prefix cache queries from KV connector "
+            "cross-instance cache sharing, in terms of number of queried tokens.",
+        )
+        self.external_prefix_hits = counter(
+            "vllm:external_prefix_cache_hits",
+            "External prefix cache hits from KV connector "
+            "cross-instance cache sharing, in terms of number of cached tokens.",
+        )
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
         success = Counter(

@@ -126,16 +126,99 @@ def test_it_renders_parallelism_and_extra_args_last():
     assert argv[-1] == "--enforce-eager"
 
 
+def test_it_renders_the_cpu_offloading_connector():
+    command = render_engine_command(
+        deployment=deployment(),
+        pool=pool(kv_connector="OffloadingConnector", cpu_offload_bytes=1 << 30),
+        ports=PORTS,
+    )
+    assert json.loads(flag(command.argv, "--kv-transfer-config")) == {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 30, "self_describing_kv_events": True},
+    }
+    assert command.env == {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONHASHSEED": "0"}  # no NIXL side channel
+
+
+def test_offload_without_kv_events_leaves_out_self_describing_events():
+    argv = render_engine_command(
+        deployment=deployment(),
+        pool=pool(kv_connector="OffloadingConnector", cpu_offload_bytes=4096, enable_kv_events=False),
+        ports=EnginePorts(http=8100),
+    ).argv
+    extra = json.loads(flag(argv, "--kv-transfer-config"))["kv_connector_extra_config"]
+    assert extra == {"cpu_bytes_to_use": 4096}
+
+
+@pytest.mark.parametrize("role, kv_role", [("prefill", "kv_producer"), ("decode", "kv_consumer")])
+def test_it_renders_the_multi_connector_as_nixl_then_cpu_offload(role, kv_role):
+    command = render_engine_command(
+        deployment=deployment(),
+        pool=pool(role=role, kv_connector="MultiConnector", cpu_offload_bytes=2 << 30),
+        ports=PORTS,
+    )
+    assert json.loads(flag(command.argv, "--kv-transfer-config")) == {
+        "kv_connector": "MultiConnector",
+        "kv_role": kv_role,
+        "kv_connector_extra_config": {
+            "connectors": [
+                {"kv_connector": "NixlConnector", "kv_role": kv_role, "kv_buffer_device": "cpu"},
+                {
+                    "kv_connector": "OffloadingConnector",
+                    "kv_role": kv_role,
+                    "kv_connector_extra_config": {
+                        "cpu_bytes_to_use": 2 << 30,
+                        "self_describing_kv_events": True,
+                    },
+                },
+            ]
+        },
+    }
+    assert command.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600"
+    assert command.env["UCX_NET_DEVICES"] == "lo"
+
+
+def test_the_multi_connector_needs_a_side_channel_port():
+    with pytest.raises(ValueError, match="side channel"):
+        render_engine_command(
+            deployment=deployment(),
+            pool=pool(kv_connector="MultiConnector", cpu_offload_bytes=1 << 30),
+            ports=EnginePorts(http=8100, kv_events=5557),
+        )
+
+
 @pytest.mark.parametrize(
-    "fields",
+    "method, tokens, expected",
     [
-        {"kv_connector": "OffloadingConnector", "cpu_offload_bytes": 1 << 30},
-        {"kv_connector": "MultiConnector"},
-        {"speculative_method": "ngram", "num_speculative_tokens": 4},
+        (
+            "ngram",
+            4,
+            {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 5, "prompt_lookup_min": 5},
+        ),
+        ("mtp", 1, {"method": "mtp", "num_speculative_tokens": 1}),
     ],
 )
-def test_it_refuses_what_it_cannot_render_yet(fields):
-    with pytest.raises(UnsupportedEngineOption):
+def test_it_renders_speculative_decoding(method, tokens, expected):
+    argv = render_engine_command(
+        deployment=deployment(),
+        pool=pool(speculative_method=method, num_speculative_tokens=tokens),
+        ports=PORTS,
+    ).argv
+    assert json.loads(flag(argv, "--speculative-config")) == expected
+    assert argv.count("--speculative-config") == 1
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"kv_connector": "OffloadingConnector"}, "cpu_offload_bytes"),
+        ({"kv_connector": "MultiConnector"}, "cpu_offload_bytes"),
+        ({"speculative_method": "eagle", "num_speculative_tokens": 3}, "draft model"),
+        ({"speculative_method": "ngram"}, "num_speculative_tokens"),
+    ],
+)
+def test_it_refuses_what_it_cannot_render(fields, message):
+    with pytest.raises(UnsupportedEngineOption, match=message):
         render_engine_command(deployment=deployment(), pool=pool(**fields), ports=PORTS)
 
 
@@ -146,25 +229,36 @@ def test_the_config_hash_follows_the_command():
     assert one.config_hash == same.config_hash != other.config_hash
 
 
-def test_the_simulator_accepts_every_flag_rendered():
-    """The full command parses in the simulator's own argument parser (it exits at --help after parsing)."""
+PARSE_AND_SIZE = (
+    "import sys; from serving.simulator.__main__ import parser, cpu_offload_blocks; "
+    "args = parser().parse_args(sys.argv[1:]); print('parsed', cpu_offload_blocks(args))"
+)
+
+
+@pytest.mark.parametrize(
+    "fields, cpu_blocks",
+    [
+        ({"kv_connector": "NixlConnector", "tensor_parallel_size": 2}, 0),
+        # the tiny model holds 2 layers x 2 KV heads x 64 x 2 bytes x (K, V) = 1 KiB per token: 128 KiB a block
+        ({"kv_connector": "OffloadingConnector", "cpu_offload_bytes": 64 << 20}, 512),
+        ({"kv_connector": "MultiConnector", "cpu_offload_bytes": 1 << 30}, 8192),
+        ({"speculative_method": "ngram", "num_speculative_tokens": 4}, 0),
+        ({"speculative_method": "mtp", "num_speculative_tokens": 2}, 0),
+    ],
+)
+def test_the_simulator_accepts_every_flag_rendered(fields, cpu_blocks):
+    """The full command parses in the simulator's own argument parser, which sizes its CPU tier from it."""
     command = render_engine_command(
         deployment=deployment(engine_kind="sim", revision="r1", tokenizer="models/tiny-qwen"),
-        pool=pool(
-            kv_connector="NixlConnector", tensor_parallel_size=2, extra_engine_args=["--enforce-eager"]
-        ),
+        pool=pool(extra_engine_args=["--enforce-eager"], **fields),
         ports=PORTS,
     )
-    code = (
-        "import sys; from serving.simulator.__main__ import parser; "
-        "parser().parse_args(sys.argv[1:]); print('parsed')"
-    )
     out = subprocess.run(
-        [sys.executable, "-c", code, *command.argv[3:]],
+        [sys.executable, "-c", PARSE_AND_SIZE, *command.argv[3:]],
         cwd=settings.BASE_DIR,
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "parsed"
+    assert out.stdout.strip() == f"parsed {cpu_blocks}"
