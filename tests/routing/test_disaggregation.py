@@ -222,3 +222,39 @@ def test_a_busy_prefix_holder_serves_a_peer_pull(router_process):
     finally:
         for engine in engines:
             engine.stop()
+
+
+@pytest.fixture(scope="module")
+def vllm_pd():
+    prefill = start_engine("vllm", nixl_role="kv_producer", wait=False)
+    decode = start_engine("vllm", nixl_role="kv_consumer", wait=False)
+    from ..serving.engines import wait_healthy
+
+    try:
+        wait_healthy(prefill, 600)
+        wait_healthy(decode, 600)
+    except BaseException:
+        prefill.stop()
+        decode.stop()
+        raise
+    yield prefill, decode
+    prefill.stop()
+    decode.stop()
+
+
+def test_real_vllm_prefill_and_decode_over_nixl_through_the_router(router_process, vllm_pd):
+    from tenants.models import UsageRecord
+    from tenants.usage_stream import usage_ingest_until_empty
+
+    prefill, decode = vllm_pd
+    fleet = pd_fleet(router_process, [prefill], [decode])
+    request_id, chunks = stream_chat(fleet, LONG, max_tokens=8)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert sum(1 for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content") is not None) >= 1
+    assert transfers(decode) == 1, decode.log()[-2000:]
+    assert decode.metrics().get("vllm:nixl_num_failed_transfers_total", 0) == 0
+    assert requests_served(prefill) == 1
+    usage_events([request_id], wait_for=1)
+    usage_ingest_until_empty()
+    (record,) = UsageRecord.objects.filter(request_id=request_id)
+    assert record.output_tokens == 8 and record.prompt_tokens > 256 and record.endpoint == decode.url
