@@ -136,6 +136,9 @@ def _stored(writes: Writes, source: Source, event: dict) -> int:
     media = MEDIA.get(event.get("medium"))
     if media is None or event.get("group_idx") not in (None, 0):
         return 0  # another storage tier, or a second KV-cache group (hybrid models) the router does not key
+    if not event.get("token_ids") or not event.get("block_size"):
+        # A placeholder (vLLM's offloading connector without self-describing events): nothing to key it by.
+        return 0
     blocks = source.blocks
     parent = event.get("parent_block_hash")
     parent_key = None

@@ -368,3 +368,27 @@ def test_vllm_events_land_under_the_same_router_keys_as_the_simulator(
         timeout=30,
         message="both engines' blocks under the same router keys",
     )
+
+
+def test_a_placeholder_event_without_tokens_is_skipped(r, deployment, sim_engine):
+    # vLLM's offloading connector announces CPU blocks without token ids unless its events are self-describing.
+    ingester = KVIngester(r)
+    source = ingester.sources[78] = Source(78, deployment.id, MODEL_NAME, sim_engine.url)
+    placeholder = {
+        "type": "BlockStored",
+        "block_hashes": [12345],
+        "parent_block_hash": None,
+        "token_ids": [],
+        "block_size": 0,
+        "lora_id": None,
+        "medium": "CPU",
+        "lora_name": None,
+    }
+    first = prompt(1, 16)[:BLOCK]
+    try:
+        ingester.handle(ingester.writes, source, 0, batch(placeholder, stored([1], first)))
+        ingester.writes.flush()
+    finally:
+        ingester.close()
+    assert 12345 not in source.blocks
+    assert lookup(r, deployment, first) == {78: (1, 0, 0)}
