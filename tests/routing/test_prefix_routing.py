@@ -111,3 +111,23 @@ def test_the_load_guard_spreads_a_burst_sharing_one_prefix(router_process):
     finally:
         for engine in engines:
             engine.stop()
+
+
+def test_a_policy_changed_through_the_api_applies_without_a_restart(approx_fleet, client_for):
+    from django.contrib.auth import get_user_model
+
+    from inference_platform.config_version import CONFIG_VERSION_KEY, _redis
+
+    operator = get_user_model().objects.create_superuser("ops", password="long-enough-password-1")
+    policy = RoutingPolicy.objects.get(deployment=approx_fleet.deployment)
+    before = int(_redis().get(CONFIG_VERSION_KEY))
+    response = client_for(operator).patch(
+        f"/api/routing-policies/{policy.pk}/", {"mode": "round_robin"}, format="json"
+    )
+    assert response.status_code == 200
+    from .conftest import wait_for_version
+
+    wait_for_version(approx_fleet.router, before + 1)
+    # Round-robin now: one conversation's turns go to every engine in turn instead of staying on one.
+    ids = [ask(approx_fleet, messages).headers["x-request-id"] for messages in conversation(3, 4)]
+    assert len({e.endpoint for e in usage_events(ids, wait_for=4)}) == 4
