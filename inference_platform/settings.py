@@ -53,6 +53,7 @@ INSTALLED_APPS = [
     "tenants",
     "serving",
     "routing",
+    "portal",
 ]
 
 MIDDLEWARE = [

@@ -6,6 +6,7 @@ from rest_framework.routers import DefaultRouter
 
 from routing.api.views import RoutingPolicyViewSet
 from serving.api.views import ModelDeploymentViewSet
+from tenants.api import reports
 from tenants.api import views as tenants
 
 router = DefaultRouter()
@@ -27,7 +28,10 @@ def healthz(request):
 
 urlpatterns = [
     path("admin/", admin.site.urls),
+    path("api/reports/usage/", reports.UsageReportView.as_view(), name="report-usage"),
+    path("api/reports/usage.csv", reports.UsageReportCsvView.as_view(), name="report-usage-csv"),
     path("api/", include(router.urls)),
+    path("portal/", include("portal.urls")),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
     path("api/auth/", include("rest_framework.urls")),

@@ -393,3 +393,53 @@ class AuditLog(models.Model):
 
     def __str__(self) -> str:
         return f"{self.actor_label} {self.action} {self.target_type} {self.target_id}"
+
+
+class UsageDaily(models.Model):
+    """Usage records summed per UTC day and per (tenant, team, key, deployment, model, currency).
+
+    Written only by the roll-up (tenants/billing.py), which adds every record up to the watermark in
+    `UsageRollupState` exactly once; billing reports read these rows for whole days and the ledger for the
+    rest. `deployment_id` is kept as a plain number: the ledger clears its link when a deployment is deleted.
+    """
+
+    day = models.DateField()
+    tenant = models.ForeignKey(Tenant, on_delete=models.PROTECT, related_name="+")
+    team = models.ForeignKey(Team, on_delete=models.PROTECT, related_name="+")
+    api_key = models.ForeignKey(ApiKey, on_delete=models.PROTECT, related_name="+")
+    deployment_id = models.BigIntegerField(null=True, blank=True)
+    model = models.CharField(max_length=200)
+    currency = models.CharField(max_length=3)
+    requests = models.BigIntegerField(default=0)
+    errors = models.BigIntegerField(default=0, help_text="Requests that failed or were cancelled.")
+    prompt_tokens = models.BigIntegerField(default=0)
+    cached_prompt_tokens = models.BigIntegerField(default=0)
+    output_tokens = models.BigIntegerField(default=0)
+    cost = models.DecimalField(max_digits=24, decimal_places=8, default=Decimal("0"))
+
+    class Meta:
+        ordering = ["day"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["day", "tenant", "team", "api_key", "deployment_id", "model", "currency"],
+                nulls_distinct=False,
+                name="usage_daily_one_row_per_group",
+            ),
+        ]
+        indexes = [
+            models.Index(fields=["tenant", "day"], name="usage_daily_tenant_day"),
+            models.Index(fields=["team", "day"], name="usage_daily_team_day"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.day} {self.team_id} {self.model}"
+
+
+class UsageRollupState(models.Model):
+    """One row: every usage record with an id up to `last_record_id` is summed in UsageDaily."""
+
+    last_record_id = models.BigIntegerField(default=0)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    def __str__(self) -> str:
+        return f"rolled up to record {self.last_record_id}"
