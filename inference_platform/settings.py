@@ -143,6 +143,9 @@ ENGINE_HEALTH_TIMEOUT_S = 1.0
 # Real vLLM on 2 CPU cores needs about 85-140 s to turn healthy.
 ENGINE_STARTUP_TIMEOUT_S = env_int("ENGINE_STARTUP_TIMEOUT_S", 300)
 ENGINE_STOP_GRACE_S = env_int("ENGINE_STOP_GRACE_S", 10)
+# An engine alive but not answering /health this long (after it was healthy, or after its start-up window) is
+# stopped, and restarts with backoff like a crashed one.
+ENGINE_HUNG_RESTART_S = env_int("ENGINE_HUNG_RESTART_S", 60)
 ENGINE_RESTART_BACKOFF_S = env_int("ENGINE_RESTART_BACKOFF_S", 2)
 ENGINE_RESTART_BACKOFF_MAX_S = env_int("ENGINE_RESTART_BACKOFF_MAX_S", 300)
 
@@ -249,3 +252,27 @@ USAGE_STREAM_MAXLEN = env_int("USAGE_STREAM_MAXLEN", 1_000_000)
 USAGE_VISIBILITY_TIMEOUT_MS = env_int("USAGE_VISIBILITY_TIMEOUT_MS", 60_000)
 USAGE_INGEST_BATCH_SIZE = env_int("USAGE_INGEST_BATCH_SIZE", 500)
 USAGE_DEFAULT_CURRENCY = env_secret("USAGE_DEFAULT_CURRENCY") or "USD"
+
+# Kubernetes (the `kubernetes` orchestrator; see README "Kubernetes").
+# Cluster access: the pod's service account when in a cluster, else a kubeconfig file and context.
+KUBERNETES_IN_CLUSTER = env_bool("KUBERNETES_IN_CLUSTER", False)
+KUBERNETES_KUBECONFIG = env_secret("KUBERNETES_KUBECONFIG") or env_secret("KUBECONFIG") or ""
+KUBERNETES_CONTEXT = env_secret("KUBERNETES_CONTEXT") or None
+# Where deployments without a namespace of their own go, and every namespace the orchestrator may touch.
+KUBERNETES_NAMESPACE = env_secret("KUBERNETES_NAMESPACE") or "inference"
+KUBERNETES_NAMESPACES = env_list("KUBERNETES_NAMESPACES", [KUBERNETES_NAMESPACE])
+KUBERNETES_FIELD_MANAGER = "inference-platform"
+KUBERNETES_ENGINE_IMAGE = env_secret("KUBERNETES_ENGINE_IMAGE") or "vllm/vllm-openai:latest"
+# The platform's own image: engines of kind `sim` run the simulator from it.
+KUBERNETES_PLATFORM_IMAGE = env_secret("KUBERNETES_PLATFORM_IMAGE") or "inference-platform:latest"
+KUBERNETES_ACCELERATOR_LABEL = env_secret("KUBERNETES_ACCELERATOR_LABEL") or "nvidia.com/gpu.product"
+KUBERNETES_SHM_SIZE = env_secret("KUBERNETES_SHM_SIZE") or "16Gi"
+# A Secret with an HF_TOKEN key for gated models (optional in the pod: absent means no token).
+KUBERNETES_HF_TOKEN_SECRET = env_secret("KUBERNETES_HF_TOKEN_SECRET") or ""
+# An InferencePool per deployment for a Gateway API inference gateway; its endpoint picker as service:port.
+KUBERNETES_INFERENCE_POOL = env_bool("KUBERNETES_INFERENCE_POOL", False)
+KUBERNETES_ENDPOINT_PICKER = env_secret("KUBERNETES_ENDPOINT_PICKER") or ""
+# API calls answered 409 (conflict), 429 or 5xx are retried this often within a reconcile, backing off.
+KUBERNETES_API_RETRIES = env_int("KUBERNETES_API_RETRIES", 3)
+KUBERNETES_API_BACKOFF_S = float(env_secret("KUBERNETES_API_BACKOFF_S") or 0.5)
+KUBERNETES_API_TIMEOUT_S = float(env_secret("KUBERNETES_API_TIMEOUT_S") or 10.0)

@@ -248,6 +248,14 @@ class LocalOrchestrator(Orchestrator):
         log.info("engine %s %s: pid %s on %s", name, reason, pid, endpoint.url)
         return SlotState(name, Health.STARTING, reason, settling=True)
 
+    @staticmethod
+    def _hung(endpoint: Endpoint, now) -> bool:
+        since = endpoint.last_seen_at or endpoint.started_at
+        if endpoint.last_seen_at is None and endpoint.started_at is not None:
+            # Never healthy: its start-up window is the grace.
+            return now - endpoint.started_at > timedelta(seconds=settings.ENGINE_STARTUP_TIMEOUT_S)
+        return since is not None and now - since > timedelta(seconds=settings.ENGINE_HUNG_RESTART_S)
+
     def _probe(self, endpoint: Endpoint, engine: psutil.Process) -> SlotState:
         now = timezone.now()
         if processes.healthy(endpoint.url):
@@ -263,6 +271,12 @@ class LocalOrchestrator(Orchestrator):
         changes = {"health": health}
         if health == Health.HEALTHY:
             changes["last_seen_at"] = now
+        elif health == Health.UNHEALTHY and self._hung(endpoint, now):
+            log.warning(
+                "engine %s is alive but has not been healthy for too long: stopping it", endpoint.name
+            )
+            processes.stop([engine])
+            note = f"hung; stopped, restarts with backoff (log: {self._log(endpoint)})"
         if endpoint.pid != engine.pid:
             changes["pid"] = engine.pid
         if endpoint.health != health or len(changes) > 1:

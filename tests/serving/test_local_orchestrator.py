@@ -132,6 +132,27 @@ def test_a_killed_engine_is_seen_unhealthy_and_restarted(deployment, owner):
     assert engine_pids(owner) == {after.pid}
 
 
+def test_a_hung_engine_is_stopped_and_restarted(deployment, owner, settings):
+    settings.ENGINE_HUNG_RESTART_S = 1
+    settings.ENGINE_STOP_GRACE_S = 1
+    reconcile_until(deployment, ObservedStatus.READY)
+    [before] = endpoints(deployment)
+    os.kill(before.pid, signal.SIGSTOP)  # alive, but answers nothing
+    try:
+        services.deployment_reconcile(deployment_id=deployment.pk)
+        [seen] = endpoints(deployment)
+        assert seen.health == Health.UNHEALTHY and psutil.pid_exists(before.pid)
+        time.sleep(1.5)
+        services.deployment_reconcile(deployment_id=deployment.pk)  # hung for longer than allowed: stopped
+        assert not psutil.pid_exists(before.pid)
+    finally:
+        if psutil.pid_exists(before.pid):
+            os.kill(before.pid, signal.SIGCONT)
+    reconcile_until(deployment, ObservedStatus.READY)
+    [after] = endpoints(deployment)
+    assert after.health == Health.HEALTHY and after.pid != before.pid and after.restart_count == 1
+
+
 def test_reconciling_twice_changes_nothing(deployment, owner):
     set_pool(deployment, replicas=2)
     reconcile_until(deployment, ObservedStatus.READY)
