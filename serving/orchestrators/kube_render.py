@@ -1,0 +1,432 @@
+"""The Kubernetes objects of one model deployment, as plain dicts ready for server-side apply.
+
+Per deployment: a root ConfigMap that owns everything else (delete it and the cluster's garbage collector
+removes the rest), and optionally one InferencePool for a Gateway API inference gateway. Per pool: a Deployment
+(one node per replica) or a LeaderWorkerSet (several nodes per replica: wide expert parallelism with
+data-parallel attention), and a headless Service for discovery.
+
+The engine's arguments come from engine_command.render_engine_command, the same renderer the local orchestrator
+uses; only what differs in a pod is changed: it listens on all addresses, the model path is taken as given, and
+addresses that name the engine (KV-events topic, NIXL side channel) use the pod's IP from the downward API.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+from django.conf import settings
+from kubernetes.utils import parse_quantity
+
+from ..engine_command import EnginePorts, UnsupportedEngineOption, render_engine_command
+from ..models import EngineKind, KvConnector, ModelDeployment, Pool
+
+MANAGER = "inference-platform"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_DEPLOYMENT = "inference-platform/deployment"
+LABEL_DEPLOYMENT_ID = "inference-platform/deployment-id"
+LABEL_POOL = "inference-platform/pool"
+LABEL_ROLE = "inference-platform/role"
+# LeaderWorkerSet's own labels on its pods (sigs.k8s.io/lws api/leaderworkerset/v1).
+LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
+
+HTTP_PORT = 8000
+KV_EVENTS_PORT = 5557
+SIDE_CHANNEL_PORT = 5600  # vLLM's default VLLM_NIXL_SIDE_CHANNEL_PORT
+DP_RPC_PORT = 13345
+PORTS = EnginePorts(http=HTTP_PORT, kv_events=KV_EVENTS_PORT, side_channel=SIDE_CHANNEL_PORT)
+
+ROOT_API = ("v1", "ConfigMap")
+DEPLOYMENT_API = ("apps/v1", "Deployment")
+LWS_API = ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet")
+SERVICE_API = ("v1", "Service")
+INFERENCE_POOL_API = ("inference.networking.k8s.io/v1", "InferencePool")
+# Every kind the orchestrator creates, in the order it applies them (the root first: the rest refer to it).
+MANAGED_KINDS = [ROOT_API, SERVICE_API, DEPLOYMENT_API, LWS_API, INFERENCE_POOL_API]
+
+
+def namespace_of(deployment: ModelDeployment) -> str:
+    return deployment.namespace or settings.KUBERNETES_NAMESPACE
+
+
+def root_name(deployment: ModelDeployment) -> str:
+    return deployment.name
+
+
+def pool_object_name(deployment: ModelDeployment, pool: Pool) -> str:
+    """Deployment, LWS and Service name; short enough that pod names and LWS group labels stay legal."""
+    import hashlib
+
+    name = f"{deployment.name}-{pool.name}"
+    if len(name) > 45:
+        name = f"{name[:36].rstrip('-')}-{hashlib.sha256(name.encode()).hexdigest()[:8]}"
+    # A Service name must start with a letter (DNS-1035).
+    return name if name[0].isalpha() else f"d{name}"[:45]
+
+
+def deployment_labels(deployment: ModelDeployment) -> dict[str, str]:
+    return {
+        LABEL_MANAGED_BY: MANAGER,
+        LABEL_DEPLOYMENT: deployment.name,
+        LABEL_DEPLOYMENT_ID: str(deployment.pk),
+    }
+
+
+def pool_selector(deployment: ModelDeployment, pool: Pool) -> dict[str, str]:
+    return {LABEL_DEPLOYMENT: deployment.name, LABEL_POOL: pool.name}
+
+
+def pool_labels(deployment: ModelDeployment, pool: Pool) -> dict[str, str]:
+    return {**deployment_labels(deployment), LABEL_POOL: pool.name, LABEL_ROLE: pool.role}
+
+
+def _meta(name: str, namespace: str, labels: dict[str, str], owner: dict | None) -> dict:
+    meta = {"name": name, "namespace": namespace, "labels": labels}
+    if owner is not None:
+        meta["ownerReferences"] = [owner]
+    return meta
+
+
+def owner_reference(deployment: ModelDeployment, uid: str) -> dict:
+    api_version, kind = ROOT_API
+    return {
+        "apiVersion": api_version,
+        "kind": kind,
+        "name": root_name(deployment),
+        "uid": uid,
+        "blockOwnerDeletion": True,
+    }
+
+
+def render_root(deployment: ModelDeployment) -> dict:
+    api_version, kind = ROOT_API
+    return {
+        "apiVersion": api_version,
+        "kind": kind,
+        "metadata": _meta(
+            root_name(deployment), namespace_of(deployment), deployment_labels(deployment), None
+        ),
+        "data": {
+            "served-model-name": deployment.served_model_name,
+            "model": deployment.model_source,
+            "pools": ",".join(pool.name for pool in deployment.pools.all()),
+        },
+    }
+
+
+# --- the engine container ------------------------------------------------------------------------------
+
+
+def _replace_flag(argv: list[str], flag: str, value: str | None) -> None:
+    """Set the value of `flag` in place (or drop the flag and its value when value is None)."""
+    index = argv.index(flag)
+    if value is None:
+        del argv[index : index + 2]
+    else:
+        argv[index + 1] = value
+
+
+def engine_args(deployment: ModelDeployment, pool: Pool) -> tuple[list[str], dict[str, str]]:
+    """The engine's arguments (after the program) and its fixed environment, for a pod."""
+    command = render_engine_command(deployment=deployment, pool=pool, ports=PORTS)
+    extra = [str(arg) for arg in pool.extra_engine_args or []]
+    # The program (`python -m module`) is the container's command; the pool's own extra args stay as given.
+    argv = command.argv[3 : len(command.argv) - len(extra)]
+    _replace_flag(argv, "--host", "0.0.0.0")
+    _replace_flag(argv, "--model", deployment.model_source)
+    if deployment.tokenizer:
+        _replace_flag(argv, "--tokenizer", deployment.tokenizer)
+    if settings.LOCAL_ENGINE_LOAD_FORMAT and "--load-format" in argv:
+        _replace_flag(argv, "--load-format", None)  # a local-only setting: a cluster loads real weights
+    if pool.enable_kv_events:
+        index = argv.index("--kv-events-config") + 1
+        events = json.loads(argv[index])
+        # Kubernetes expands $(POD_IP) from the container's environment (the downward API).
+        events["topic"] = f"kv@$(POD_IP):{HTTP_PORT}@{deployment.served_model_name}"
+        argv[index] = json.dumps(events, separators=(",", ":"))
+    # Only what an engine in a pod needs; the rest of the local environment is about CPU engines on loopback.
+    env = {"PYTHONHASHSEED": command.env["PYTHONHASHSEED"]}
+    if "VLLM_NIXL_SIDE_CHANNEL_PORT" in command.env:
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = command.env["VLLM_NIXL_SIDE_CHANNEL_PORT"]
+    return argv + extra, env
+
+
+def _program(deployment: ModelDeployment) -> list[str]:
+    module = (
+        "serving.simulator"
+        if deployment.engine_kind == EngineKind.SIM
+        else "vllm.entrypoints.openai.api_server"
+    )
+    return ["python3", "-m", module]
+
+
+def _image(deployment: ModelDeployment) -> str:
+    if deployment.engine_image:
+        return deployment.engine_image
+    if deployment.engine_kind == EngineKind.SIM:
+        return settings.KUBERNETES_PLATFORM_IMAGE
+    return settings.KUBERNETES_ENGINE_IMAGE
+
+
+def _nixl(pool: Pool) -> bool:
+    return pool.kv_connector in (KvConnector.NIXL, KvConnector.MULTI)
+
+
+def _env(pool: Pool, fixed: dict[str, str]) -> list[dict]:
+    env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+    if _nixl(pool):
+        env.append(
+            {"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+        )
+    env += [{"name": key, "value": value} for key, value in sorted(fixed.items())]
+    if settings.KUBERNETES_HF_TOKEN_SECRET:
+        secret = {"name": settings.KUBERNETES_HF_TOKEN_SECRET, "key": "HF_TOKEN", "optional": True}
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": secret}})
+    return env
+
+
+def gpus_per_pod(pool: Pool) -> int:
+    return pool.gpus_per_replica // pool.nodes_per_replica
+
+
+def _check(pool: Pool) -> None:
+    nodes = pool.nodes_per_replica
+    if nodes > 1:
+        if pool.data_parallel_size % nodes:
+            raise UnsupportedEngineOption(
+                f"pool {pool.name}: data_parallel_size {pool.data_parallel_size} must be a multiple of "
+                f"nodes_per_replica {nodes} (each node runs the same number of data-parallel ranks)"
+            )
+        if pool.gpus_per_replica % nodes:
+            raise UnsupportedEngineOption(
+                f"pool {pool.name}: gpus_per_replica {pool.gpus_per_replica} must divide evenly over {nodes} nodes"
+            )
+    needed = pool.tensor_parallel_size * pool.data_parallel_size
+    if pool.gpus_per_replica and pool.gpus_per_replica != needed:
+        raise UnsupportedEngineOption(
+            f"pool {pool.name}: tensor x data parallel size is {needed} GPUs per replica, "
+            f"but gpus_per_replica is {pool.gpus_per_replica}"
+        )
+    if pool.cpu_offload_bytes and pool.memory_request:
+        if parse_quantity(pool.memory_request) <= pool.cpu_offload_bytes:
+            raise UnsupportedEngineOption(
+                f"pool {pool.name}: memory_request {pool.memory_request} leaves no room beside "
+                f"{pool.cpu_offload_bytes} bytes of CPU KV offload"
+            )
+    for quantity in (pool.cpu_request, pool.memory_request):
+        if quantity:
+            try:
+                parse_quantity(quantity)
+            except ValueError as exc:
+                raise UnsupportedEngineOption(
+                    f"pool {pool.name}: {quantity!r} is no Kubernetes quantity"
+                ) from exc
+
+
+def _resources(pool: Pool) -> dict:
+    requests: dict[str, str] = {}
+    limits: dict[str, str] = {}
+    if pool.cpu_request:
+        requests["cpu"] = pool.cpu_request
+    if pool.memory_request:
+        # Memory is not compressible: the limit is the request, so an engine is never OOM-killed by a neighbour.
+        requests["memory"] = limits["memory"] = pool.memory_request
+    gpus = gpus_per_pod(pool)
+    if gpus:
+        requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = str(gpus)
+    resources = {}
+    if requests:
+        resources["requests"] = requests
+    if limits:
+        resources["limits"] = limits
+    return resources
+
+
+def _probes(serving: bool) -> dict:
+    if not serving:
+        return {}
+
+    def health() -> dict:
+        return {"path": "/health", "port": "http"}
+
+    return {
+        # Loading weights takes minutes: liveness waits until the engine has started once.
+        "startupProbe": {"httpGet": health(), "periodSeconds": 10, "failureThreshold": 180},
+        "readinessProbe": {"httpGet": health(), "periodSeconds": 5, "failureThreshold": 3},
+        "livenessProbe": {
+            "httpGet": health(),
+            "periodSeconds": 15,
+            "failureThreshold": 4,
+            "timeoutSeconds": 5,
+        },
+    }
+
+
+def _container_ports(pool: Pool, serving: bool) -> list[dict]:
+    ports = []
+    if serving:
+        ports.append({"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"})
+    if pool.enable_kv_events:
+        ports.append({"name": "kv-events", "containerPort": KV_EVENTS_PORT, "protocol": "TCP"})
+    if _nixl(pool):
+        ports.append({"name": "nixl", "containerPort": SIDE_CHANNEL_PORT, "protocol": "TCP"})
+    return ports
+
+
+def _container(
+    deployment: ModelDeployment, pool: Pool, *, command: list[str], args: list[str], env: dict, serving: bool
+) -> dict:
+    container = {
+        "name": "engine",
+        "image": _image(deployment),
+        "command": command,
+        "args": args,
+        "env": _env(pool, env),
+        "ports": _container_ports(pool, serving),
+        "resources": _resources(pool),
+        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
+        **_probes(serving),
+    }
+    return {key: value for key, value in container.items() if value != {} and value != []}
+
+
+def _pod_spec(pool: Pool, container: dict) -> dict:
+    spec: dict = {
+        "containers": [container],
+        # NCCL and vLLM's workers exchange tensors through shared memory; the default 64 MiB is far too small.
+        "volumes": [
+            {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": settings.KUBERNETES_SHM_SIZE}}
+        ],
+        "terminationGracePeriodSeconds": 60,
+    }
+    if pool.accelerator:
+        spec["nodeSelector"] = {settings.KUBERNETES_ACCELERATOR_LABEL: pool.accelerator}
+    if gpus_per_pod(pool):
+        spec["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    return spec
+
+
+def _template(deployment: ModelDeployment, pool: Pool, container: dict) -> dict:
+    return {"metadata": {"labels": pool_labels(deployment, pool)}, "spec": _pod_spec(pool, container)}
+
+
+def render_single_node(deployment: ModelDeployment, pool: Pool, owner: dict | None) -> dict:
+    args, env = engine_args(deployment, pool)
+    container = _container(deployment, pool, command=_program(deployment), args=args, env=env, serving=True)
+    api_version, kind = DEPLOYMENT_API
+    name = pool_object_name(deployment, pool)
+    return {
+        "apiVersion": api_version,
+        "kind": kind,
+        "metadata": _meta(name, namespace_of(deployment), pool_labels(deployment, pool), owner),
+        "spec": {
+            "replicas": pool.replicas,
+            "selector": {"matchLabels": pool_selector(deployment, pool)},
+            # A new engine must be ready before an old one goes: GPUs permitting, capacity never drops.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "template": _template(deployment, pool, container),
+        },
+    }
+
+
+def render_multi_node(deployment: ModelDeployment, pool: Pool, owner: dict | None) -> dict:
+    """One LWS group per replica: the leader (rank 0 of the data-parallel group) serves HTTP, workers are headless.
+
+    vLLM's multi-node data parallelism: every node runs `--data-parallel-size-local` ranks; the leader's address
+    and RPC port join them; a worker's first rank is its LWS worker index times the ranks per node.
+    """
+    args, env = engine_args(deployment, pool)
+    local = pool.data_parallel_size // pool.nodes_per_replica
+    dp = [
+        "--data-parallel-size-local",
+        str(local),
+        "--data-parallel-address",
+        "$(LWS_LEADER_ADDRESS)",
+        "--data-parallel-rpc-port",
+        str(DP_RPC_PORT),
+    ]
+    program = _program(deployment)
+    leader_args = [*args, *dp, "--data-parallel-start-rank", "0"]
+    leader = _container(deployment, pool, command=program, args=leader_args, env=env, serving=True)
+    # The start rank needs arithmetic on LWS_WORKER_INDEX, so workers start through a shell. The kubelet
+    # expands $(POD_IP) and $(LWS_LEADER_ADDRESS) before the shell runs; `$$` keeps the shell's `$((...))`.
+    worker_line = shlex.join([*program, *args, *dp, "--headless"])
+    worker_args = [f"exec {worker_line} --data-parallel-start-rank $$((LWS_WORKER_INDEX * {local}))"]
+    worker = _container(deployment, pool, command=["/bin/sh", "-c"], args=worker_args, env=env, serving=False)
+    api_version, kind = LWS_API
+    name = pool_object_name(deployment, pool)
+    return {
+        "apiVersion": api_version,
+        "kind": kind,
+        "metadata": _meta(name, namespace_of(deployment), pool_labels(deployment, pool), owner),
+        "spec": {
+            "replicas": pool.replicas,
+            "startupPolicy": "LeaderCreated",
+            "leaderWorkerTemplate": {
+                "size": pool.nodes_per_replica,
+                # A failed node breaks its whole data-parallel group: restart the group together.
+                "restartPolicy": "RecreateGroupOnPodRestart",
+                "leaderTemplate": _template(deployment, pool, leader),
+                "workerTemplate": _template(deployment, pool, worker),
+            },
+        },
+    }
+
+
+def render_service(deployment: ModelDeployment, pool: Pool, owner: dict | None) -> dict:
+    """A headless Service: DNS names for every serving pod, no virtual IP (the router picks engines itself)."""
+    selector = pool_selector(deployment, pool)
+    if pool.nodes_per_replica > 1:
+        selector[LWS_WORKER_INDEX_LABEL] = "0"  # only leaders serve HTTP
+    ports = [{"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"}]
+    if pool.enable_kv_events:
+        ports.append(
+            {"name": "kv-events", "port": KV_EVENTS_PORT, "targetPort": "kv-events", "protocol": "TCP"}
+        )
+    api_version, kind = SERVICE_API
+    return {
+        "apiVersion": api_version,
+        "kind": kind,
+        "metadata": _meta(
+            pool_object_name(deployment, pool), namespace_of(deployment), pool_labels(deployment, pool), owner
+        ),
+        "spec": {"clusterIP": "None", "selector": selector, "ports": ports},
+    }
+
+
+def render_inference_pool(deployment: ModelDeployment, owner: dict | None) -> dict:
+    """One InferencePool over all of the deployment's serving pods, so a Gateway can route the model to them."""
+    spec: dict = {
+        "selector": {"matchLabels": {LABEL_DEPLOYMENT: deployment.name}},
+        "targetPorts": [{"number": HTTP_PORT}],
+    }
+    if settings.KUBERNETES_ENDPOINT_PICKER:
+        name, _, port = settings.KUBERNETES_ENDPOINT_PICKER.rpartition(":")
+        spec["endpointPickerRef"] = {"name": name, "port": {"number": int(port)}}
+    api_version, kind = INFERENCE_POOL_API
+    return {
+        "apiVersion": api_version,
+        "kind": kind,
+        "metadata": _meta(deployment.name, namespace_of(deployment), deployment_labels(deployment), owner),
+        "spec": spec,
+    }
+
+
+def render_pool(deployment: ModelDeployment, pool: Pool, owner: dict | None) -> list[dict]:
+    _check(pool)
+    workload = render_multi_node if pool.nodes_per_replica > 1 else render_single_node
+    return [render_service(deployment, pool, owner), workload(deployment, pool, owner)]
+
+
+def render_children(deployment: ModelDeployment, owner: dict | None) -> list[dict]:
+    """Everything below the root object, for a running deployment."""
+    objects = []
+    for pool in deployment.pools.all():
+        objects += render_pool(deployment, pool, owner)
+    if settings.KUBERNETES_INFERENCE_POOL:
+        objects.append(render_inference_pool(deployment, owner))
+    return objects
+
+
+def object_key(obj: dict) -> tuple[str, str, str]:
+    return obj["apiVersion"], obj["kind"], obj["metadata"]["name"]
