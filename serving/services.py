@@ -53,7 +53,17 @@ def deployment_reconcile(*, deployment_id: int) -> ReconcileResult | None:
         if orchestrator is None:
             log.debug("no %s orchestrator in this build; %s left alone", deployment.orchestrator, deployment)
             return None
-        result = orchestrator.reconcile(deployment)
+        try:
+            result = orchestrator.reconcile(deployment)
+        except Exception as exc:
+            # Recorded for the operator, then raised: the task retries with backoff (a cluster's API may be
+            # briefly unreachable or answer 409/5xx after the orchestrator's own retries).
+            ModelDeployment.objects.filter(pk=deployment_id).update(
+                observed_status=ObservedStatus.FAILED,
+                status_message=f"Reconcile failed: {exc}",
+                observed_at=timezone.now(),
+            )
+            raise
         # update(), not save(): the operator may be editing the deployment at this very moment.
         ModelDeployment.objects.filter(pk=deployment_id).update(
             observed_status=result.status, status_message=result.message, observed_at=timezone.now()
@@ -66,7 +76,11 @@ def engines_sweep() -> list[str]:
     gone: list[str] = []
     for kind, orchestrator_class in ORCHESTRATORS.items():
         ids = set(ModelDeployment.objects.filter(orchestrator=kind).values_list("pk", flat=True))
-        gone += orchestrator_class().sweep(ids)
+        try:
+            gone += orchestrator_class().sweep(ids)
+        except Exception:
+            # One orchestrator's trouble (a cluster out of reach) must not keep the others from sweeping.
+            log.exception("sweeping %s engines failed", kind)
     return gone
 
 

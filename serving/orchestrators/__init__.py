@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from .base import Orchestrator, ReconcileResult
+from .kubernetes import KubernetesOrchestrator
 from .local import LocalOrchestrator
 
 ORCHESTRATORS: dict[str, type[Orchestrator]] = {
     LocalOrchestrator.kind: LocalOrchestrator,
+    KubernetesOrchestrator.kind: KubernetesOrchestrator,
 }
 
 
@@ -16,4 +18,11 @@ def orchestrator_for(kind: str) -> Orchestrator | None:
     return cls() if cls else None
 
 
-__all__ = ["ORCHESTRATORS", "LocalOrchestrator", "Orchestrator", "ReconcileResult", "orchestrator_for"]
+__all__ = [
+    "ORCHESTRATORS",
+    "KubernetesOrchestrator",
+    "LocalOrchestrator",
+    "Orchestrator",
+    "ReconcileResult",
+    "orchestrator_for",
+]
