@@ -144,7 +144,7 @@ def cluster(tmp_path):
             pass
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
     kubeconfig = tmp_path / "kubeconfig"
     server_url = f"http://127.0.0.1:{server.server_address[1]}"
     kubeconfig.write_text(

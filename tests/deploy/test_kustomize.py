@@ -1,0 +1,114 @@
+"""`kubectl kustomize deploy/overlays/<name>` renders every process of the platform, valid against the official
+schemas, with least-privilege RBAC for the orchestrator."""
+
+from __future__ import annotations
+
+import functools
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from serving.orchestrators import kube_api, kube_render
+from tests.deploy.validation import validate_objects
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+OVERLAYS = sorted(path.name for path in (DEPLOY / "overlays").iterdir() if path.is_dir())
+
+pytestmark = pytest.mark.skipif(
+    not shutil.which("kubectl"), reason="kubectl (with kustomize) is not installed"
+)
+
+
+@functools.cache
+def rendered(overlay: str) -> tuple[dict, ...]:
+    run = subprocess.run(
+        ["kubectl", "kustomize", str(DEPLOY / "overlays" / overlay)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return tuple(obj for obj in yaml.safe_load_all(run.stdout) if obj)
+
+
+def find(objects, kind: str, name: str) -> dict:
+    return next(obj for obj in objects if obj["kind"] == kind and obj["metadata"]["name"] == name)
+
+
+def command(objects, name: str) -> list[str]:
+    return find(objects, "Deployment", name)["spec"]["template"]["spec"]["containers"][0]["command"]
+
+
+def test_there_are_dev_and_production_overlays():
+    assert {"dev", "production"} <= set(OVERLAYS)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_overlay_renders_valid_objects(overlay):
+    validate_objects(list(rendered(overlay)))
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_platform_process_runs_with_its_config_and_secrets(overlay):
+    objects = rendered(overlay)
+    assert command(objects, "web")[:4] == ["python", "-m", "gunicorn", "inference_platform.wsgi"]
+    assert command(objects, "router")[:4] == [
+        "python",
+        "-m",
+        "uvicorn",
+        "inference_platform.asgi:application",
+    ]
+    assert command(objects, "worker")[5] == "worker" and command(objects, "beat")[5] == "beat"
+    assert command(objects, "kv-ingester") == ["python", "manage.py", "run_kv_ingester"]
+    job = find(objects, "Job", "migrate")["spec"]["template"]["spec"]["containers"][0]
+    assert job["command"] == ["python", "manage.py", "migrate", "--no-input"]
+    assert find(objects, "Deployment", "beat")["spec"]["replicas"] == 1
+    hpa = find(objects, "HorizontalPodAutoscaler", "router")
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "router"}
+    for name in ("web", "router", "worker", "beat", "kv-ingester"):
+        container = find(objects, "Deployment", name)["spec"]["template"]["spec"]["containers"][0]
+        sources = {next(iter(ref.values()))["name"] for ref in container["envFrom"]}
+        assert sources == {"platform-config", "platform-secrets"}
+    if overlay == "dev":
+        secret = find(objects, "Secret", "platform-secrets")
+        assert set(secret["data"]) == {"SECRET_KEY", "API_KEY_PEPPER", "DATABASE_URL", "REDIS_URL"}
+    else:
+        assert not [obj for obj in objects if obj["kind"] == "Secret"]  # created outside git
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_only_the_worker_may_use_the_api_and_only_for_what_the_orchestrator_manages(overlay):
+    objects = rendered(overlay)
+    config = find(objects, "ConfigMap", "platform-config")["data"]
+    engines_namespace = config["KUBERNETES_NAMESPACE"]
+    accounts = {
+        obj["metadata"]["name"]: obj["spec"]["template"]["spec"]["serviceAccountName"]
+        for obj in objects
+        if obj["kind"] == "Deployment"
+    }
+    assert accounts.pop("worker") == "orchestrator" and set(accounts.values()) == {"platform"}
+    assert find(objects, "ServiceAccount", "platform")["automountServiceAccountToken"] is False
+    assert not [obj for obj in objects if obj["kind"] in ("ClusterRole", "ClusterRoleBinding")]
+    roles = [obj for obj in objects if obj["kind"] == "Role"]
+    assert [role["metadata"]["namespace"] for role in roles] == config["KUBERNETES_NAMESPACES"].split(",")
+    binding = find(objects, "RoleBinding", roles[0]["metadata"]["name"])
+    assert binding["metadata"]["namespace"] == engines_namespace
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "orchestrator", "namespace": "inference-platform"}
+    ]
+    granted = {}
+    for rule in roles[0]["rules"]:
+        assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"]
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                granted[(group, resource)] = set(rule["verbs"])
+    managed = {
+        ("" if api_version == "v1" else api_version.split("/")[0], kube_api.PLURALS[kind])
+        for api_version, kind in kube_render.MANAGED_KINDS
+    }
+    writable = {key for key, verbs in granted.items() if verbs & {"create", "patch", "delete"}}
+    assert writable == managed
+    assert granted[("", "pods")] == {"get", "list"}
+    assert set(granted) == managed | {("", "pods")}
