@@ -256,7 +256,8 @@ USAGE_DEFAULT_CURRENCY = env_secret("USAGE_DEFAULT_CURRENCY") or "USD"
 # Kubernetes (the `kubernetes` orchestrator; see README "Kubernetes").
 # Cluster access: the pod's service account when in a cluster, else a kubeconfig file and context.
 KUBERNETES_IN_CLUSTER = env_bool("KUBERNETES_IN_CLUSTER", False)
-KUBERNETES_KUBECONFIG = env_secret("KUBERNETES_KUBECONFIG") or env_secret("KUBECONFIG") or ""
+# Explicit only (not $KUBECONFIG): the sweep deletes our labelled objects that no deployment here wants.
+KUBERNETES_KUBECONFIG = env_secret("KUBERNETES_KUBECONFIG") or ""
 KUBERNETES_CONTEXT = env_secret("KUBERNETES_CONTEXT") or None
 # Where deployments without a namespace of their own go, and every namespace the orchestrator may touch.
 KUBERNETES_NAMESPACE = env_secret("KUBERNETES_NAMESPACE") or "inference"
