@@ -13,8 +13,11 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "inference_platform.settings")
 
 django_asgi_app = get_asgi_application()  # sets Django up before the router imports models
 
+from portal.routing import websocket_application  # noqa: E402
 from routing.app import Router  # noqa: E402
 
 router = Router()
 
-application = ProtocolTypeRouter({"http": router, "lifespan": router})
+application = ProtocolTypeRouter(
+    {"http": router, "lifespan": router, "websocket": websocket_application()}  # portal's live traffic
+)

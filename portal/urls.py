@@ -1,2 +1,25 @@
+from django.contrib.auth import views as auth_views
+from django.urls import path
+
+from . import views
+
 app_name = "portal"
-urlpatterns: list = []
+urlpatterns = [
+    path("", views.home, name="home"),
+    path("login/", auth_views.LoginView.as_view(template_name="portal/login.html"), name="login"),
+    path("logout/", auth_views.LogoutView.as_view(next_page="portal:login"), name="logout"),
+    path("fleet/", views.fleet, name="fleet"),
+    path("deployments/new/", views.deployment_new, name="deployment-new"),
+    path("deployments/<int:pk>/", views.deployment_detail, name="deployment"),
+    path("deployments/<int:pk>/status/", views.deployment_status, name="deployment-status"),
+    path("deployments/<int:pk>/scale/<int:pool_pk>/", views.deployment_scale, name="deployment-scale"),
+    path("deployments/<int:pk>/delete/", views.deployment_remove, name="deployment-delete"),
+    path("deployments/<int:pk>/cost/", views.deployment_cost, name="deployment-cost"),
+    path("live/", views.live, name="live"),
+    path("teams/", views.teams, name="teams"),
+    path("teams/<int:pk>/", views.team_detail, name="team"),
+    path("teams/<int:pk>/keys/", views.key_create, name="key-create"),
+    path("keys/<int:pk>/revoke/", views.key_revoke, name="key-revoke"),
+    path("reports/", views.reports, name="reports"),
+    path("reports/export.csv", views.reports_csv, name="reports-csv"),
+]

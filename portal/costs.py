@@ -1,0 +1,118 @@
+"""Cost to serve a deployment: GPU-hours at the configured price, divided among the tokens it served.
+
+    GPU cost = sum over pools of (price per GPU-hour of the pool's accelerator x GPUs per replica x replicas)
+               x hours in the period (up to now), assuming today's replicas ran throughout.
+
+The GPU cost is shared among fresh input, cached input and output tokens in proportion to what the price
+sheet charges for them (its weights), so that cost per million of each kind is comparable with the price:
+    cost per Mtok of kind k = GPU cost x weight_k / sum_j(tokens_j x weight_j) x 1,000,000.
+Without a price sheet the weights are 1 : 0.1 : 4. Every input appears on the page.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from decimal import Decimal
+
+from django.utils import timezone
+
+from serving.models import ModelDeployment
+from tenants.access import Access
+from tenants.billing import Period, usage_report
+from tenants.models import PriceSheet
+from tenants.pricing import price_for
+
+from .models import AcceleratorPrice, CommercialPrice
+
+DEFAULT_WEIGHTS = (Decimal(1), Decimal("0.1"), Decimal(4))
+MILLION = Decimal(1_000_000)
+
+
+@dataclass
+class PoolCost:
+    name: str
+    accelerator: str
+    price_per_gpu_hour: Decimal | None  # None: no price configured for this accelerator
+    gpus: int
+    hours: Decimal
+    cost: Decimal
+
+
+@dataclass
+class CostToServe:
+    deployment: ModelDeployment
+    period: Period
+    hours: Decimal
+    pools: list[PoolCost]
+    gpu_cost: Decimal
+    fresh_input_tokens: int
+    cached_input_tokens: int
+    output_tokens: int
+    billed: Decimal  # what the ledger charged for these tokens
+    weights: tuple[Decimal, Decimal, Decimal]
+    weights_from: str
+    per_mtok: tuple[Decimal, Decimal, Decimal] | None  # fresh input, cached input, output
+    price_sheet: PriceSheet | None
+    commercial: list[CommercialPrice]
+
+
+def _hours(period: Period, now: datetime) -> Decimal:
+    end = min(period.end, max(now, period.start))
+    return Decimal((end - period.start).total_seconds()) / Decimal(3600)
+
+
+def cost_to_serve(*, access: Access, deployment: ModelDeployment, period: Period) -> CostToServe:
+    hours = _hours(period, timezone.now())
+    prices = {p.accelerator: p.price_per_gpu_hour for p in AcceleratorPrice.objects.all()}
+    pools = []
+    for pool in deployment.pools.all():
+        gpus = pool.gpus_per_replica * pool.replicas
+        price = prices.get(pool.accelerator)
+        pools.append(
+            PoolCost(pool.name, pool.accelerator or "(none)", price, gpus, hours, (price or 0) * gpus * hours)
+        )
+    gpu_cost = sum((p.cost for p in pools), Decimal(0))
+    rows = [
+        r
+        for r in usage_report(access=access, period=period, group_by="deployment").rows
+        if r.key == deployment.pk
+    ]
+    prompt = sum(r.input_tokens for r in rows)
+    cached = sum(r.cached_input_tokens for r in rows)
+    output = sum(r.output_tokens for r in rows)
+    sheet = (
+        PriceSheet.objects.filter(
+            served_model_name=deployment.served_model_name,
+            tenant__isnull=True,
+            effective_from__lte=timezone.now(),
+        )
+        .order_by("-effective_from")
+        .first()
+    )
+    if sheet and sheet.input_per_mtok > 0:
+        weights = (sheet.input_per_mtok, sheet.cached_input_per_mtok, sheet.output_per_mtok)
+        weights_from = f"the list price sheet from {sheet.effective_from:%Y-%m-%d}"
+    else:
+        weights, weights_from = DEFAULT_WEIGHTS, "the default weights 1 : 0.1 : 4 (no list price sheet)"
+    weighted = (prompt - cached) * weights[0] + cached * weights[1] + output * weights[2]
+    per_mtok = tuple(gpu_cost * w / weighted * MILLION for w in weights) if weighted else None
+    return CostToServe(
+        deployment=deployment,
+        period=period,
+        hours=hours,
+        pools=pools,
+        gpu_cost=gpu_cost,
+        fresh_input_tokens=prompt - cached,
+        cached_input_tokens=cached,
+        output_tokens=output,
+        billed=sum((r.cost for r in rows), Decimal(0)),
+        weights=weights,
+        weights_from=weights_from,
+        per_mtok=per_mtok,
+        price_sheet=sheet,
+        commercial=list(CommercialPrice.objects.all()),
+    )
+
+
+__all__ = ["CostToServe", "cost_to_serve", "price_for"]

@@ -1,0 +1,188 @@
+"""Portal pages: who sees what, keys shown once, deployments changed with an audit trail, cost to serve."""
+
+from __future__ import annotations
+
+import csv
+import io
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+
+import pytest
+from django.test import Client
+from django.utils import timezone
+
+from portal.models import AcceleratorPrice
+from serving.models import ModelDeployment, Pool
+from tenants.keys import api_key_verify
+from tenants.models import ApiKey, AuditLog
+
+from ..conftest import make_usage
+
+
+@pytest.fixture
+def browser():
+    def make(user) -> Client:
+        client = Client()
+        client.force_login(user)
+        return client
+
+    return make
+
+
+def test_it_asks_strangers_to_sign_in(world):
+    response = Client().get("/portal/teams/")
+    assert response.status_code == 302 and response["Location"].startswith("/portal/login/")
+
+
+def test_it_signs_in_with_a_password(world):
+    client = Client()
+    response = client.post("/portal/login/", {"username": "olive", "password": "pw-olive-long-enough"})
+    assert response.status_code == 302
+    assert client.get("/portal/", follow=True).request["PATH_INFO"] == "/portal/fleet/"
+
+
+def test_fleet_is_for_operators(world, browser):
+    page = browser(world.operator).get("/portal/fleet/")
+    assert page.status_code == 200 and b"tiny-qwen" in page.content
+    assert browser(world.admin_a).get("/portal/fleet/").status_code == 403
+    assert browser(world.admin_a).get("/portal/", follow=True).request["PATH_INFO"] == "/portal/teams/"
+
+
+@pytest.mark.parametrize(
+    ("viewer", "visible", "hidden"),
+    [
+        ("team_admin_a1", ["team_a1"], ["team_a2", "team_b1"]),
+        ("member_a1", ["team_a1"], ["team_a2", "team_b1"]),
+        ("admin_a", ["team_a1", "team_a2"], ["team_b1"]),
+        ("admin_b", ["team_b1"], ["team_a1", "team_a2"]),
+    ],
+)
+def test_team_pages_show_only_the_viewers_teams(world, browser, viewer, visible, hidden):
+    client = browser(getattr(world, viewer))
+    listing = client.get("/portal/teams/").content.decode()
+    for name in visible:
+        team = getattr(world, name)
+        assert str(team) in listing
+        assert client.get(f"/portal/teams/{team.pk}/").status_code == 200
+    for name in hidden:
+        team = getattr(world, name)
+        assert str(team) not in listing
+        assert client.get(f"/portal/teams/{team.pk}/").status_code == 404
+
+
+@pytest.mark.parametrize(
+    ("viewer", "labels", "absent"),
+    [
+        ("team_admin_a1", ["acme/agents"], ["acme/research", "bolt/bots"]),
+        ("admin_a", ["acme/agents", "acme/research"], ["bolt/bots"]),
+        ("admin_b", ["bolt/bots"], ["acme/agents", "acme/research"]),
+    ],
+)
+def test_report_page_and_csv_show_only_the_viewers_scope(world, browser, viewer, labels, absent):
+    make_usage(world.key_a2, "page-a2")
+    client = browser(getattr(world, viewer))
+    page = client.get("/portal/reports/", {"period": "month", "group_by": "team"}).content.decode()
+    exported = client.get("/portal/reports/export.csv", {"period": "month", "group_by": "team"})
+    assert exported["Content-Type"].startswith("text/csv")
+    rows = list(csv.reader(io.StringIO(exported.content.decode())))
+    assert sorted(r[3] for r in rows[1:-1]) == sorted(labels)
+    for label in labels:
+        assert label in page
+    for label in absent:
+        assert label not in page
+
+
+def test_a_team_admin_creates_a_key_and_sees_the_secret_once(world, browser):
+    client = browser(world.team_admin_a1)
+    response = client.post(
+        f"/portal/teams/{world.team_a1.pk}/keys/", {"name": "ci agent", "scopes": ["inference"]}
+    )
+    assert response.status_code == 200 and response["Cache-Control"] == "no-store"
+    secret = response.context["issued"].secret
+    assert secret in response.content.decode()
+    assert api_key_verify(secret).name == "ci agent"
+    again = client.get(f"/portal/teams/{world.team_a1.pk}/").content.decode()
+    assert "ci agent" in again and secret not in again
+    assert AuditLog.objects.filter(action="api_key.create", source="portal").count() == 1
+
+
+def test_only_admins_of_a_team_manage_its_keys(world, browser):
+    data = {"name": "x", "scopes": ["inference"]}
+    assert browser(world.member_a1).post(f"/portal/teams/{world.team_a1.pk}/keys/", data).status_code == 403
+    assert browser(world.admin_b).post(f"/portal/teams/{world.team_a1.pk}/keys/", data).status_code == 404
+    key = world.key_a1.api_key
+    assert browser(world.admin_b).post(f"/portal/keys/{key.pk}/revoke/").status_code == 404
+    assert browser(world.member_a1).post(f"/portal/keys/{key.pk}/revoke/").status_code == 403
+    assert browser(world.admin_a).post(f"/portal/keys/{key.pk}/revoke/").status_code == 302
+    assert ApiKey.objects.get(pk=key.pk).revoked_at is not None
+    assert api_key_verify(world.key_a1.secret) is None
+
+
+def test_team_page_shows_quota_use_now(world, browser):
+    world.quota_a1.token_budget = 100_000
+    world.quota_a1.save()
+    page = browser(world.team_admin_a1).get(f"/portal/teams/{world.team_a1.pk}/")
+    quota = page.context["quotas"][0]
+    limits = {name: (limit, used) for name, limit, used in quota["limits"]}
+    assert limits["Tokens this month"] == (100_000, 1050)  # the fixture's record: 1000 in + 50 out
+    assert limits["Requests per minute"][0] == 60
+
+
+def test_operator_creates_scales_and_deletes_a_deployment(world, browser, django_capture_on_commit_callbacks):
+    client = browser(world.operator)
+    data = {
+        "name": "coder",
+        "served_model_name": "coder-7b",
+        "model_source": "models/tiny-qwen",
+        "engine_kind": "sim",
+        "replicas": 1,
+    }
+    with django_capture_on_commit_callbacks(execute=False) as callbacks:
+        response = client.post("/portal/deployments/new/", data)
+    assert any("deployment_changed" in c.__qualname__ for c in callbacks)  # reconcile once committed
+    deployment = ModelDeployment.objects.get(name="coder")
+    assert response["Location"] == f"/portal/deployments/{deployment.pk}/"
+    status = client.get(f"/portal/deployments/{deployment.pk}/status/").json()
+    assert (status["desired"], status["healthy"], status["percent"]) == (1, 0, 0)
+    pool = deployment.pools.get()
+    with django_capture_on_commit_callbacks(execute=False):
+        client.post(f"/portal/deployments/{deployment.pk}/scale/{pool.pk}/", {"replicas": 3})
+    assert Pool.objects.get(pk=pool.pk).replicas == 3
+    with django_capture_on_commit_callbacks(execute=False):
+        client.post(f"/portal/deployments/{deployment.pk}/delete/")
+    assert not ModelDeployment.objects.filter(name="coder").exists()
+    actions = list(AuditLog.objects.filter(source="portal").order_by("id").values_list("action", flat=True))
+    assert actions == ["deployment.create", "deployment.scale", "deployment.delete"]
+    assert browser(world.admin_a).post("/portal/deployments/new/", data).status_code == 403
+
+
+def test_cost_to_serve_shows_every_input(world, browser):
+    pool = world.deployment.pools.get()
+    pool.accelerator, pool.gpus_per_replica = "nvidia-h100-80gb", 1
+    pool.save()
+    AcceleratorPrice.objects.update_or_create(
+        accelerator="nvidia-h100-80gb", defaults={"price_per_gpu_hour": Decimal("2.5")}
+    )
+    day = (timezone.now() - timedelta(days=2)).date()
+    for n in range(4):
+        make_usage(
+            world.key_a1,
+            f"cts-{n}",
+            deployment=world.deployment,
+            created_at=datetime(day.year, day.month, day.day, 12, tzinfo=UTC),
+        )
+    page = browser(world.operator).get(
+        f"/portal/deployments/{world.deployment.pk}/cost/",
+        {"period": "day", "at": day.isoformat(), "group_by": "deployment"},
+    )
+    cost = page.context["cost"]
+    assert cost.gpu_cost == Decimal("2.5") * 2 * 24  # two replicas of one GPU for a whole day
+    assert (cost.fresh_input_tokens, cost.cached_input_tokens, cost.output_tokens) == (1600, 2400, 200)
+    # The weights are the list sheet's prices: 0.5, 0.05, 1.5 per Mtok.
+    weighted = (
+        Decimal(1600) * Decimal("0.5") + Decimal(2400) * Decimal("0.05") + Decimal(200) * Decimal("1.5")
+    )
+    assert cost.per_mtok[2] == cost.gpu_cost * Decimal("1.5") / weighted * 1_000_000
+    html = page.content.decode()
+    for text in ("nvidia-h100-80gb", "2.500000", "OpenAI GPT-4.1", "Anthropic Claude Sonnet 4"):
+        assert text in html
