@@ -3,8 +3,9 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: run test install engine-env lint clean
+.PHONY: run test install engine-env browser lint clean
 
 $(STAMP): pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
@@ -22,8 +23,12 @@ run: $(STAMP)
 engine-env:
 	scripts/engine-env.sh
 
+## Headless Chromium for the portal's browser tests: Debian's package, driven by Playwright (a dev extra).
+browser:
+	@command -v chromium >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq chromium; }
+
 ## Run the whole test suite against real PostgreSQL, Redis and engines (simulator and vLLM).
-test: $(STAMP) engine-env
+test: $(STAMP) engine-env browser
 	PLATFORM_STATE_DIR=$${PLATFORM_STATE_DIR:-.local/test} PLATFORM_REDIS_PERSIST=0 $(PY) -m inference_platform.devstack exec -- $(PY) -m pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)
