@@ -16,8 +16,9 @@ from datetime import UTC, date, datetime, time, timedelta
 from decimal import Context, Decimal
 
 from django.db import connection, transaction
-from django.db.models import Count, F, Q, QuerySet, Subquery, Sum
-from django.db.models.functions import Coalesce, TruncDate
+from django.db.models import Count, F, Q, QuerySet, Sum
+from django.db.models.functions import TruncDate
+from django.utils import timezone
 
 from .access import Access
 from .models import ApiKey, Team, Tenant, UsageDaily, UsageRecord, UsageRollupState, UsageStatus
@@ -126,9 +127,8 @@ def usage_report(
         )
         if value not in (None, "")
     }
-    daily, records = _parts(access, period, filters, group_by)
     merged: dict[tuple, ReportRow] = {}
-    for key, currency, *values in daily.union(records, all=True):
+    for key, currency, *values in _read_consistently(access, period, filters, group_by):
         if isinstance(key, datetime):
             key = key.date()
         row = merged.setdefault((key, currency), ReportRow(key=key, label="", currency=currency))
@@ -151,8 +151,32 @@ def _day_ceil(at: datetime) -> datetime:
     return day if day == at else day + timedelta(days=1)
 
 
-def _parts(access: Access, period: Period, filters: dict, group_by: str) -> tuple[QuerySet, QuerySet]:
-    """The roll-up part and the ledger part of a report, each grouped by (group, currency)."""
+def _rollup_version() -> tuple:
+    return tuple(
+        UsageRollupState.objects.filter(pk=1).values_list("last_record_id", "updated_at").first() or (0, None)
+    )
+
+
+def _read_consistently(access: Access, period: Period, filters: dict, group_by: str) -> list[tuple]:
+    """Both parts in one statement, under a watermark no roll-up moved meanwhile.
+
+    The watermark goes into the statement as a number, so PostgreSQL reads the records above it through the
+    primary key instead of scanning the month. A roll-up commits its daily rows and its new watermark (and
+    time) together, so if the state is the same before and after the statement, the statement saw daily rows
+    that hold exactly the records up to that watermark. Otherwise it is read again.
+    """
+    while True:
+        before = _rollup_version()
+        daily, records = _parts(access, period, filters, group_by, watermark=before[0])
+        rows = list(daily.union(*records, all=True))
+        if _rollup_version() == before:
+            return rows
+
+
+def _parts(
+    access: Access, period: Period, filters: dict, group_by: str, *, watermark: int
+) -> tuple[QuerySet, list[QuerySet]]:
+    """The roll-up part and the ledger parts of a report, each grouped by (group, currency)."""
     first_whole, end_whole = (
         _day_ceil(period.start),
         period.end.replace(hour=0, minute=0, second=0, microsecond=0),
@@ -160,18 +184,17 @@ def _parts(access: Access, period: Period, filters: dict, group_by: str) -> tupl
     records = access.usage_qs().order_by().filter(**filters)
     daily = access._team_scoped(UsageDaily.objects.order_by(), "team").filter(**filters)
     if first_whole < end_whole:
-        watermark = Coalesce(
-            Subquery(UsageRollupState.objects.order_by("pk").values("last_record_id")[:1]), 0
-        )
         daily = daily.filter(day__gte=first_whole.date(), day__lt=end_whole.date())
-        records = records.filter(
-            Q(created_at__gte=first_whole, created_at__lt=end_whole, id__gt=watermark)
-            | Q(created_at__gte=period.start, created_at__lt=first_whole)
-            | Q(created_at__gte=end_whole, created_at__lt=period.end)
-        )
+        # Each part its own SELECT, so each can use its index: records the roll-up has not reached yet
+        # (by primary key), and the partial days at either end (by time).
+        ranges = [
+            records.filter(id__gt=watermark, created_at__gte=first_whole, created_at__lt=end_whole),
+            records.filter(created_at__gte=period.start, created_at__lt=first_whole),
+            records.filter(created_at__gte=end_whole, created_at__lt=period.end),
+        ]
     else:
         daily = daily.none()
-        records = records.filter(created_at__gte=period.start, created_at__lt=period.end)
+        ranges = [records.filter(created_at__gte=period.start, created_at__lt=period.end)]
     daily = (
         daily.annotate(k=_group_expr(group_by, daily=True), cur=F("currency"))
         .values("k", "cur")
@@ -185,7 +208,11 @@ def _parts(access: Access, period: Period, filters: dict, group_by: str) -> tupl
         )
         .values_list("k", "cur", "n", "e", "i", "c", "o", "m")
     )
-    records = (
+    return daily, [_ledger_sums(part, group_by) for part in ranges]
+
+
+def _ledger_sums(records: QuerySet, group_by: str) -> QuerySet:
+    return (
         records.annotate(k=_group_expr(group_by, daily=False), cur=F("currency"))
         .values("k", "cur")
         .annotate(
@@ -198,7 +225,6 @@ def _parts(access: Access, period: Period, filters: dict, group_by: str) -> tupl
         )
         .values_list("k", "cur", "n", "e", "i", "c", "o", "m")
     )
-    return daily, records
 
 
 def _group_expr(group_by: str, *, daily: bool):
@@ -301,7 +327,8 @@ def usage_rollup(*, batch: int = ROLLUP_BATCH) -> int:
                     [state.last_record_id, upto],
                 )
                 total += cursor.fetchone()[0]
-            UsageRollupState.objects.filter(pk=1).update(last_record_id=upto)
+            # The time as well: reports compare (watermark, time) to see that no roll-up ran under them.
+            UsageRollupState.objects.filter(pk=1).update(last_record_id=upto, updated_at=timezone.now())
         if upto == newest:
             return total
 
@@ -310,7 +337,9 @@ def usage_rollup_rebuild() -> int:
     """Throw the daily rows away and roll the whole ledger up again (after a manual correction)."""
     with transaction.atomic():
         UsageDaily.objects.all().delete()
-        UsageRollupState.objects.update_or_create(pk=1, defaults={"last_record_id": 0})
+        UsageRollupState.objects.update_or_create(
+            pk=1, defaults={"last_record_id": 0, "updated_at": timezone.now()}
+        )
     return usage_rollup()
 
 
