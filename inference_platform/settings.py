@@ -277,3 +277,8 @@ KUBERNETES_ENDPOINT_PICKER = env_secret("KUBERNETES_ENDPOINT_PICKER") or ""
 KUBERNETES_API_RETRIES = env_int("KUBERNETES_API_RETRIES", 3)
 KUBERNETES_API_BACKOFF_S = float(env_secret("KUBERNETES_API_BACKOFF_S") or 0.5)
 KUBERNETES_API_TIMEOUT_S = float(env_secret("KUBERNETES_API_TIMEOUT_S") or 10.0)
+
+# The portal's live-traffic WebSocket is served by the router process (inference_platform/asgi.py), not by the
+# web process. Empty: the page's own host and port (an ingress sends /ws/ to the router); ":PORT": the page's
+# host on that port (the dev stack's router listens on 8080); or a full ws:// or wss:// URL.
+PORTAL_LIVE_WEBSOCKET_URL = env_secret("PORTAL_LIVE_WEBSOCKET_URL") or (":8080" if DEBUG else "")

@@ -2,7 +2,10 @@
 (function () {
   var root = document.getElementById("live");
   if (!root) return;
-  var url = root.dataset.wsUrl || ((location.protocol === "https:" ? "wss://" : "ws://") + location.host + "/ws/portal/live/");
+  var scheme = location.protocol === "https:" ? "wss://" : "ws://";
+  var url = root.dataset.wsUrl;
+  if (!url) url = scheme + location.host + "/ws/portal/live/";
+  else if (url.charAt(0) === ":") url = scheme + location.hostname + url + "/ws/portal/live/";
   var state = document.getElementById("live-state");
   var columns = [["name", "Name"], ["rps", "Requests/s"], ["ttft_ms", "Mean TTFT ms"], ["input_tokens_per_s", "Input tok/s"],
     ["output_tokens_per_s", "Output tok/s"], ["prefix_hit_rate", "Prefix-hit rate"], ["errors", "Errors"], ["requests", "Requests"]];

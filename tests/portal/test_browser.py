@@ -44,6 +44,7 @@ def server(transactional_db, monkeypatch, settings):
     # The server's threads close their connections after each request, so the test database can be dropped.
     monkeypatch.setitem(connections.settings["default"], "CONN_MAX_AGE", 0)
     settings.USAGE_STREAM = "usage:test-browser"
+    settings.PORTAL_LIVE_WEBSOCKET_URL = ""  # pages and WebSocket from one server here
     usage_redis().delete(stream_key())
     app = ProtocolTypeRouter(
         {"http": ASGIStaticFilesHandler(get_asgi_application()), "websocket": websocket_application()}
