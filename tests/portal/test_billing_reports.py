@@ -40,6 +40,14 @@ period_st = st.one_of(
 )
 
 
+VISIBLE = {
+    "operator": ["team_a1", "team_a2", "team_b1"],
+    "admin_a": ["team_a1", "team_a2"],
+    "team_admin_a1": ["team_a1"],
+    "admin_b": ["team_b1"],
+}
+
+
 def _insert(world, specs, tag: str) -> list[UsageRecord]:
     records = []
     for n, spec in enumerate(specs):
@@ -124,8 +132,7 @@ def test_report_equals_the_ledger_whatever_is_rolled_up(world, before, after, ch
         records += _insert(world, after, "a")
         period = _period(choice)
         access = Access.for_user(getattr(world, viewer))
-        visible = set(access.usage_qs().values_list("team_id", flat=True).distinct()) | set(access.teams)
-        visible |= set(access.teams_qs().values_list("id", flat=True))
+        visible = {getattr(world, name).id for name in VISIBLE[viewer]}
         report = usage_report(access=access, period=period, group_by=group_by)
         assert _actual(report) == _expected(records, period, group_by, visible)
         for total in report.totals:
@@ -265,3 +272,13 @@ def test_api_report_json_totals(world, client_for):
             "input_tokens": 2000, "cached_input_tokens": 1200, "output_tokens": 100, "cost": "1.75000001",
         }
     ]  # fmt: skip
+
+
+def test_the_beat_task_rolls_up_and_is_scheduled(world):
+    from inference_platform.celery import app
+    from portal.tasks import rollup_usage
+
+    make_usage(world.key_b1, "beat-1", created_at=BASE)
+    assert rollup_usage() == 3  # the world's two records and this one
+    assert rollup_usage() == 0
+    assert "rollup-usage" in app.conf.beat_schedule
