@@ -204,9 +204,9 @@ def test_a_stopped_deployment_runs_nothing(deployment, owner):
 
 
 def test_an_option_it_cannot_render_fails_clearly(deployment, owner):
-    set_pool(deployment, speculative_method="ngram", num_speculative_tokens=4)
+    set_pool(deployment, speculative_method="eagle", num_speculative_tokens=4)  # needs a draft model
     deployment = reconcile_until(deployment, ObservedStatus.FAILED)
-    assert "speculative decoding" in deployment.status_message
+    assert "EAGLE speculative decoding needs a draft model" in deployment.status_message
     assert marked_processes(owner) == []
 
 
