@@ -1,0 +1,657 @@
+"""Prefix-aware routing: engine-reported prefix reuse, TTFT and load balance per routing policy, on 8 simulated
+engines with bounded KV caches, replaying Mooncake traces and a synthetic agentic workload through the router.
+
+    .venv/bin/python bench/routing.py            # full: 3 workloads x 5 policies, about 12 minutes
+    .venv/bin/python bench/routing.py --quick    # smaller subsets, shorter replays, about 4 minutes
+
+Without DATABASE_URL and REDIS_URL it re-runs itself under `python -m inference_platform.devstack exec`. It uses a
+dedicated database (`bench_routing`, dropped and re-created each run) and Redis database 14, and sets up one
+tenant, team and key, and a deployment `tiny-qwen` with 8 Endpoint rows (the simulators, KV events on). Processes:
+8 simulators, the KV-event ingester (`manage.py run_kv_ingester`), one router (uvicorn, restarted for every
+policy so its in-memory approximate index and session map start empty), and for the peer vllm-router 0.1.17
+`--policy cache_aware` on the same engines (installed into .local/bench/vllm-router). The engines' /metrics are
+scraped into Redis every second from this process, as Celery beat does in production. Before every policy the
+engines' prefix caches are reset (POST /reset_prefix_cache) and the index is checked empty. Every process
+started here runs in its own session and is stopped at the end, on error and on Ctrl-C.
+
+Workloads (bench/routing_workloads.py): whole conversations sampled from each Mooncake trace (by conversation
+root, over the trace's full span), the timeline compressed to the replay length; a generated agentic workload.
+Each request is an open-loop, streamed /v1/completions with `prompt` as token ids.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime as dt
+import json
+import os
+import signal
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import router_overhead as ro  # noqa: E402  (shared setup: processes, database, installs)
+import routing_workloads as wl  # noqa: E402
+
+ROOT, PYTHON, MODEL, STATE = ro.ROOT, ro.PYTHON, ro.MODEL, ro.STATE
+BENCH_DB = "bench_routing"
+BENCH_REDIS_DB = 14
+ENGINES = 8
+BLOCK = 128
+KV_BLOCKS = 2048  # per engine: 262,144 tokens
+MAX_MODEL_LEN = 32768
+MAX_IDS = 48  # prompts capped at 48 x 512 = 24,576 tokens
+MAX_OUTPUT = 16
+SIM_TIMING = {
+    "--prefill-time-per-token": "0.00003",  # 30 us per uncached prompt token (33k tokens/s per engine)
+    "--prefill-overhead": "0.005",
+    "--decode-time": "0.01",
+    "--decode-time-per-seq": "0.0005",
+    "--max-num-seqs": "32",
+}
+POLICIES = ["round_robin", "least_loaded", "approximate", "precise", "vllm-router cache_aware"]
+TARGETS = {"ceiling_share": 0.95, "max_mean": 1.3}
+
+
+def log(message: str) -> None:
+    ro.log(message)
+
+
+# --- engines, ingester, router -----------------------------------------------------------------------------
+
+
+class Engine:
+    def __init__(self, index: int):
+        self.index = index
+        self.port = ro.free_port()
+        self.kv_port = ro.free_port()
+        self.replay_port = ro.free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.name = f"{MODEL}-main-{index}"
+        self.proc = None
+
+    def start(self, procs: ro.Processes) -> None:
+        events = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{self.kv_port}",
+            "replay_endpoint": f"tcp://*:{self.replay_port}",
+            "topic": "kv-events",
+        }
+        argv = [PYTHON, "-m", "serving.simulator", "--model", str(ROOT / "models" / MODEL)]
+        argv += ["--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(self.port)]
+        argv += ["--block-size", str(BLOCK), "--num-gpu-blocks-override", str(KV_BLOCKS)]
+        argv += ["--max-model-len", str(MAX_MODEL_LEN), "--enable-prompt-tokens-details"]
+        argv += ["--kv-events-config", json.dumps(events)]
+        for flag, value in SIM_TIMING.items():
+            argv += [flag, value]
+        self.proc = procs.start(f"routing-engine-{self.index}", argv, core=None, env={"PYTHONHASHSEED": "0"})
+
+    def wait(self) -> None:
+        ro.wait_until(lambda: ro.http_get(self.port, "/health") == 200, self.proc, self.name, 120)
+
+    def counters(self) -> dict[str, float]:
+        import http.client
+
+        from prometheus_client.parser import text_string_to_metric_families
+
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
+        try:
+            conn.request("GET", "/metrics")
+            text = conn.getresponse().read().decode()
+        finally:
+            conn.close()
+        out = {}
+        for family in text_string_to_metric_families(text):
+            if family.name in ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:request_success"):
+                out[family.name] = sum(s.value for s in family.samples if s.name.endswith("_total"))
+        return out
+
+    def reset(self, deadline: float) -> None:
+        while True:
+            status, body = ro.http_post(self.port, "/reset_prefix_cache", b"", {})
+            if status == 200:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name} refused to reset its prefix cache: {status} {body[:200]!r}")
+            time.sleep(0.2)
+
+
+def prepare_database(base_url: str) -> str:
+    import psycopg
+
+    with psycopg.connect(base_url, autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {BENCH_DB} WITH (FORCE)")
+        conn.execute(f"CREATE DATABASE {BENCH_DB}")
+    return ro.with_path(base_url, f"/{BENCH_DB}")
+
+
+def create_objects(env: dict, engines: list[Engine]) -> tuple[str, int]:
+    os.environ.update(env)
+    sys.path.insert(0, str(ROOT))
+    import django
+
+    django.setup()
+    from routing.models import RoutingPolicy
+    from serving.models import Endpoint, Health, ModelDeployment, Pool
+    from tenants.keys import api_key_create
+    from tenants.models import Scope, Team, Tenant
+
+    tenant = Tenant.objects.create(name="Bench", slug="bench")
+    team = Team.objects.create(tenant=tenant, name="Agents", slug="agents")
+    deployment = ModelDeployment.objects.create(
+        name=MODEL,
+        served_model_name=MODEL,
+        model_source=str(ROOT / "models" / MODEL),
+        engine_kind="sim",
+        orchestrator="kubernetes",  # nothing reconciles it: the endpoints below are all there is
+        max_model_len=MAX_MODEL_LEN,
+        block_size=BLOCK,
+    )
+    pool = Pool.objects.create(deployment=deployment, name="main", replicas=len(engines))
+    for engine in engines:
+        Endpoint.objects.create(
+            pool=pool,
+            name=engine.name,
+            url=engine.url,
+            role="both",
+            health=Health.HEALTHY,
+            kv_events_endpoint=f"tcp://127.0.0.1:{engine.kv_port}",
+        )
+    RoutingPolicy.objects.update_or_create(deployment=deployment, defaults={"mode": "round_robin"})
+    key = api_key_create(team=team, name="bench", scopes=[Scope.INFERENCE]).secret
+    return key, deployment.id
+
+
+def set_mode(deployment_id: int, mode: str, overrides: dict) -> None:
+    from inference_platform.config_version import bump_config_version
+    from routing.models import RoutingPolicy
+
+    RoutingPolicy.objects.filter(deployment_id=deployment_id).update(mode=mode, **overrides)
+    bump_config_version()
+
+
+class Scraper(threading.Thread):
+    """The engines' /metrics into Redis every second (Celery beat's job in production)."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        from django.db import close_old_connections
+
+        from routing.load_scraper import endpoint_loads_scrape
+
+        while not self.stop.wait(1.0):
+            try:
+                endpoint_loads_scrape()
+            except Exception as exc:  # noqa: BLE001 - a missed scrape is not fatal
+                log(f"scrape failed: {exc}")
+            finally:
+                close_old_connections()
+
+
+def start_router(procs: ro.Processes, env: dict, tag: str, root: Path = ROOT):
+    port = ro.free_port()
+    argv = [PYTHON, "-m", "uvicorn", "inference_platform.asgi:application", "--host", "127.0.0.1"]
+    argv += ["--port", str(port), "--loop", "uvloop", "--http", "httptools", "--no-access-log"]
+    argv += ["--workers", "1", "--log-level", "warning"]
+    extra = {
+        "ROUTER_CONFIG_POLL_SECONDS": "0.5",
+        "ROUTER_APPROX_BLOCKS_PER_ENDPOINT": str(KV_BLOCKS),
+        "ROUTER_DECISION_LOG_SAMPLE": "0",
+    }
+    proc = procs.start(f"routing-router-{tag}", argv, core=None, env={**env, **extra}, cwd=root)
+    ro.wait_until(lambda: ro.http_get(port, "/health") == 200, proc, f"routing-router-{tag}", 120)
+    return proc, port
+
+
+def start_vllm_router(procs: ro.Processes, venv: Path, engines: list[Engine], tag: str):
+    port = ro.free_port()
+    argv = [str(venv / "bin" / "vllm-router"), "--host", "127.0.0.1", "--port", str(port), "--worker-urls"]
+    argv += [e.url for e in engines]
+    argv += [
+        "--policy",
+        "cache_aware",
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(ro.free_port()),
+    ]
+    proc = procs.start(f"routing-vllm-router-{tag}", argv, core=None, full_env=ro.peer_env())
+    return proc, port
+
+
+def index_size(redis_client, deployment_id: int) -> int:
+    return sum(1 for _ in redis_client.scan_iter(match=f"px:{deployment_id}:*", count=10_000))
+
+
+# --- the replay ----------------------------------------------------------------------------------------------
+
+
+async def replay(port: int, headers: dict, reqs: list[wl.Req], bodies: list[bytes]) -> list[dict]:
+    import aiohttp
+
+    results: list[dict] = [{} for _ in reqs]
+    # A fresh connection per request: reusing a pooled one races uvicorn's 5 s keep-alive timeout ("Can not
+    # write request body") after a quiet spell.
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
+    timeout = aiohttp.ClientTimeout(total=300)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        start = time.perf_counter() + 0.2
+
+        async def one(i: int) -> None:
+            req = reqs[i]
+            delay = start + req.at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            h = {"Content-Type": "application/json", **headers}
+            if req.session:
+                h["x-session-id"] = req.session
+            sent = time.perf_counter()
+            out = results[i]
+            out["sent"] = sent - start
+            try:
+                async with session.post(
+                    f"http://127.0.0.1:{port}/v1/completions", data=bodies[i], headers=h
+                ) as resp:
+                    out["status"] = resp.status
+                    first = None
+                    async for line in resp.content:
+                        if not line.startswith(b"data: {"):
+                            continue
+                        if first is None and b'"choices":[{' in line:
+                            first = time.perf_counter()
+                        if b'"prompt_tokens"' in line:
+                            usage = json.loads(line[6:]).get("usage") or {}
+                            out["prompt"] = usage.get("prompt_tokens", 0)
+                            out["cached"] = (
+                                (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+                            ) or 0
+                    done = time.perf_counter()
+                    out["ttft"] = (first or done) - sent
+                    out["done"] = done - start
+                    out["ok"] = resp.status == 200 and first is not None
+            except Exception as exc:  # noqa: BLE001 - counted as an error
+                out["ok"] = False
+                out["error"] = repr(exc)[:200]
+
+        await asyncio.gather(*(one(i) for i in range(len(reqs))))
+    return results
+
+
+def bodies_for(reqs: list[wl.Req]) -> list[bytes]:
+    out = []
+    for req in reqs:
+        payload = {
+            "model": MODEL,
+            "prompt": wl.prompt_tokens(req),
+            "max_tokens": req.max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        out.append(json.dumps(payload, separators=(",", ":")).encode())
+    return out
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def summarize(results: list[dict], before: list[dict], after: list[dict], ceiling: float) -> dict:
+    ok = [r for r in results if r.get("ok")]
+    queries = sum(
+        a.get("vllm:prefix_cache_queries", 0) - b.get("vllm:prefix_cache_queries", 0)
+        for a, b in zip(after, before, strict=True)
+    )
+    hits = sum(
+        a.get("vllm:prefix_cache_hits", 0) - b.get("vllm:prefix_cache_hits", 0)
+        for a, b in zip(after, before, strict=True)
+    )
+    per_engine = [
+        a.get("vllm:request_success", 0) - b.get("vllm:request_success", 0)
+        for a, b in zip(after, before, strict=True)
+    ]
+    mean = statistics.mean(per_engine) if per_engine else 0
+    prompt = sum(r.get("prompt", 0) for r in ok)
+    cached = sum(r.get("cached", 0) for r in ok)
+    wall = max((r["done"] for r in ok), default=0) - min((r["sent"] for r in ok), default=0)
+    share = hits / queries if queries else float("nan")
+    ttfts = [r["ttft"] for r in ok]
+    errors = [r for r in results if not r.get("ok")]
+    return {
+        "requests": len(results),
+        "errors": len(errors),
+        "error_sample": (errors[0].get("error") or f"status {errors[0].get('status')}") if errors else "",
+        "hit_share": share,
+        "usage_hit_share": cached / prompt if prompt else float("nan"),
+        "of_ceiling": share / ceiling if ceiling else float("nan"),
+        "ttft_p50": pct(ttfts, 0.5) * 1000,
+        "ttft_p90": pct(ttfts, 0.9) * 1000,
+        "ttft_mean": statistics.mean(ttfts) * 1000 if ttfts else float("nan"),
+        "rps": len(ok) / wall if wall else float("nan"),
+        "tps": prompt / wall if wall else float("nan"),
+        "per_engine": per_engine,
+        "max_mean": max(per_engine) / mean if mean else float("nan"),
+    }
+
+
+# --- main ---------------------------------------------------------------------------------------------------
+
+
+def git_head() -> str:
+    import subprocess
+
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    return out.stdout.strip() or "?"
+
+
+def fmt(value: float, digits: int = 1) -> str:
+    return "n/a" if value != value else f"{value:,.{digits}f}"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="smaller subsets and 8 s replays (about 4 minutes)")
+    p.add_argument("--workloads", nargs="+", default=["conversation", "synthetic", "agentic"])
+    p.add_argument("--policies", nargs="+", default=POLICIES)
+    p.add_argument("--skip-peer", action="store_true", help="leave out vllm-router")
+    p.add_argument(
+        "--set",
+        nargs="+",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="RoutingPolicy fields for our router's runs, e.g. prefix_weight=6 queue_weight=1",
+    )
+    p.add_argument(
+        "--router-root",
+        default=None,
+        help="run our router from this checkout (to measure a router change without touching this tree)",
+    )
+    p.add_argument(
+        "--docs", default=None, help="write the section here (default docs/benchmarks.md; none with --quick)"
+    )
+    return p.parse_args(argv)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def workloads(quick: bool, names: list[str]) -> dict[str, tuple[list[wl.Req], dict]]:
+    duration = 8.0 if quick else 30.0
+    out = {}
+    for name in names:
+        if name == "conversation":
+            out[name] = wl.trace_subset(name, 80 if quick else 20, duration, MAX_IDS, MAX_OUTPUT)
+        elif name == "synthetic":
+            out[name] = wl.trace_subset(name, 24 if quick else 6, duration, MAX_IDS, MAX_OUTPUT)
+        elif name == "agentic":
+            out[name] = wl.agentic(6 if quick else 20, duration, MAX_OUTPUT)
+    return out
+
+
+def write_docs(path: Path, block: str) -> None:
+    begin, end = "<!-- prefix-routing:begin -->", "<!-- prefix-routing:end -->"
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    if begin in text and end in text:
+        head, _, rest = text.partition(begin)
+        _, _, tail = rest.partition(end)
+        text = head + begin + "\n" + block + "\n" + end + tail
+    else:
+        if "## Prefix-aware routing" not in text:
+            text = text.rstrip("\n") + "\n\n## Prefix-aware routing\n\n"
+            text += "Generated by `bench/routing.py` between the markers below; the reading after them is written by hand.\n\n"
+        anchor = text.index("## Prefix-aware routing")
+        nxt = text.find("\n## ", anchor + 5)
+        insert = begin + "\n" + block + "\n" + end + "\n"
+        text = (
+            text.rstrip("\n") + "\n\n" + insert
+            if nxt < 0
+            else text[: nxt + 1] + insert + "\n" + text[nxt + 1 :]
+        )
+    path.write_text(text)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    if not (os.environ.get("DATABASE_URL") and os.environ.get("REDIS_URL")):
+        if os.environ.get("BENCH_UNDER_DEVSTACK"):
+            raise SystemExit("the devstack did not provide DATABASE_URL and REDIS_URL")
+        log("no DATABASE_URL / REDIS_URL: re-running under the devstack (embedded PostgreSQL and Redis)")
+        env = {**os.environ, "BENCH_UNDER_DEVSTACK": "1"}
+        cmd = [PYTHON, "-m", "inference_platform.devstack", "exec", "--", PYTHON, str(Path(__file__)), *argv]
+        os.chdir(ROOT)
+        os.execve(PYTHON, cmd, env)
+
+    started = time.monotonic()
+    STATE.mkdir(parents=True, exist_ok=True)
+    docs = Path(args.docs) if args.docs else (None if args.quick else ROOT / "docs" / "benchmarks.md")
+    overrides = {k: float(v) for k, v in (item.split("=", 1) for item in args.set)}
+    router_root = Path(args.router_root).resolve() if args.router_root else ROOT
+    policies = [p for p in args.policies if not (args.skip_peer and p.startswith("vllm-router"))]
+    procs = ro.Processes()
+    signal.signal(signal.SIGTERM, _interrupt)
+    redis_url = ro.with_path(os.environ["REDIS_URL"], f"/{BENCH_REDIS_DB}")
+    scraper = None
+    try:
+        installer = None
+        if any(p.startswith("vllm-router") for p in policies):
+            spec = ro.PEERS["vllm-router"]["spec"]
+            installer = ro.Installer("vllm-router", spec, 600)
+            installer.start()
+
+        import redis
+
+        rclient = redis.Redis.from_url(redis_url)
+        rclient.flushdb()
+        log(f"database {BENCH_DB} (dropped and re-created), Redis db {BENCH_REDIS_DB} (flushed)")
+        env = ro.platform_env(prepare_database(os.environ["DATABASE_URL"]), redis_url)
+        engines = [Engine(i) for i in range(ENGINES)]
+        for engine in engines:
+            engine.start(procs)
+        ro.migrate(env)
+        for engine in engines:
+            engine.wait()
+        key, deployment_id = create_objects(env, engines)
+        ingester = procs.start(
+            "routing-kv-ingester", [PYTHON, "manage.py", "run_kv_ingester"], core=None, env=env
+        )
+        scraper = Scraper()
+        scraper.start()
+        log(f"{ENGINES} engines up ({KV_BLOCKS} blocks of {BLOCK} tokens each), ingester pid {ingester.pid}")
+
+        loads = workloads(args.quick, args.workloads)
+        peer_venv: Path | None = None
+        peer_note = ""
+        rows: dict[tuple[str, str], dict] = {}
+        meta: dict[str, dict] = {}
+        for name, (reqs, info) in loads.items():
+            ceil = wl.ceilings(reqs, BLOCK, ENGINES * KV_BLOCKS)
+            meta[name] = {**info, **ceil, "n": len(reqs), "span": reqs[-1].at}
+            log(
+                f"{name}: {len(reqs)} requests over {reqs[-1].at:.1f} s, ceiling {ceil['ceiling']:.3f}, "
+                f"one LRU of the fleet's capacity {ceil['lru_fleet']:.3f}; {info}"
+            )
+            bodies = bodies_for(reqs)
+            for policy in policies:
+                tag = f"{name}-{policy.split()[0]}"
+                deadline = time.monotonic() + 30
+                for engine in engines:
+                    engine.reset(deadline)
+                while index_size(rclient, deployment_id) and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                leftover = index_size(rclient, deployment_id)
+                if leftover:
+                    log(f"warning: {leftover} index entries left after the reset")
+                if policy.startswith("vllm-router"):
+                    if peer_venv is None and not peer_note:
+                        log("waiting for the vllm-router install (.local/bench/vllm-router)")
+                        installer.join(timeout=620)
+                        peer_venv = installer.venv
+                        peer_note = installer.error or ("" if peer_venv else "install did not finish")
+                    if peer_venv is None:
+                        rows[(name, policy)] = {"skipped": peer_note}
+                        continue
+                    proc, port = start_vllm_router(procs, peer_venv, engines, tag)
+                    headers = {}
+                    try:
+                        probe = bodies_for([wl.Req(0, [1], 300, 2)])[0]
+                        ro.wait_until(
+                            lambda p=port, b=probe: ro.http_post(p, "/v1/completions", b, {})[0] == 200,
+                            proc,
+                            f"routing-vllm-router-{tag}",
+                            60,
+                        )
+                        for engine in engines:  # the probe's blocks
+                            engine.reset(time.monotonic() + 30)
+                    except Exception as exc:  # noqa: BLE001 - a peer that does not run is skipped
+                        procs.stop(proc)
+                        peer_note = f"did not start: {str(exc).splitlines()[0][:200]}"
+                        peer_venv = None
+                        rows[(name, policy)] = {"skipped": peer_note}
+                        continue
+                else:
+                    set_mode(deployment_id, policy, overrides)
+                    proc, port = start_router(procs, env, tag, router_root)
+                    headers = {"Authorization": f"Bearer {key}"}
+                before = [e.counters() for e in engines]
+                t0 = time.monotonic()
+                results = asyncio.run(replay(port, headers, reqs, bodies))
+                elapsed = time.monotonic() - t0
+                time.sleep(0.3)
+                after = [e.counters() for e in engines]
+                procs.stop(proc)
+                s = summarize(results, before, after, ceil["ceiling"])
+                s["timed_ceiling"] = wl.timed_ceiling(reqs, results, BLOCK)
+                rows[(name, policy)] = s
+                log(
+                    f"{name:<12} {policy:<24} hit {s['hit_share']:.3f} ({s['of_ceiling']:.0%} of ceiling; "
+                    f"usage {s['usage_hit_share']:.3f}; timed ceiling {s['timed_ceiling']:.3f})  TTFT p50 {s['ttft_p50']:.0f} p90 {s['ttft_p90']:.0f} ms  "
+                    f"{s['rps']:.1f} req/s  max/mean {s['max_mean']:.2f} {s['per_engine']}  errors {s['errors']} "
+                    f"{s['error_sample']}  ({elapsed:.0f} s)"
+                )
+
+        block = report(args, argv, rows, meta, policies, loads)
+        print()
+        print(block)
+        if docs:
+            write_docs(docs, block)
+            log(f"wrote {docs}")
+        log(f"done in {time.monotonic() - started:.0f} s")
+        return 0
+    except KeyboardInterrupt:
+        log("interrupted; stopping everything")
+        return 130
+    finally:
+        if scraper is not None:
+            scraper.stop.set()
+        procs.stop_all()
+        with contextlib.suppress(Exception):
+            import redis
+
+            redis.Redis.from_url(redis_url).flushdb()
+
+
+def report(args, argv, rows, meta, policies, loads) -> str:
+    when = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    command = (".venv/bin/python bench/routing.py " + " ".join(argv)).strip()
+    lines = [
+        f"### {'Quick' if args.quick else 'Full'} run",
+        "",
+        f"- Date: {when}. Machine: {ro.machine()}. Command: `{command}`.",
+        f"- Engines: {ENGINES} simulators, KV cache {KV_BLOCKS} blocks x {BLOCK} tokens each "
+        f"({KV_BLOCKS * BLOCK:,} tokens; {ENGINES * KV_BLOCKS:,} blocks in the fleet), "
+        + ", ".join(f"`{k} {v}`" for k, v in SIM_TIMING.items())
+        + f", `--max-model-len {MAX_MODEL_LEN}`, KV events with a replay socket; the KV-event ingester running; "
+        "engines' /metrics scraped into Redis every second. Nothing pinned (2 cores shared by everything).",
+        f"- Router: one uvicorn worker, DEBUG off, policy defaults (prefix 3, queue 2, kv_utilization 1, "
+        f"session 1, load guard 1.3){', overridden: ' + ' '.join(args.set) if args.set else ''}"
+        f"{', from ' + args.router_root if args.router_root else ''}, "
+        f"`ROUTER_APPROX_BLOCKS_PER_ENDPOINT={KV_BLOCKS}`; restarted for every policy; "
+        "engine caches reset before every policy. vllm-router 0.1.17 `--policy cache_aware` (defaults) on the same engines.",
+        f"- Requests: streamed /v1/completions, `prompt` = token ids (each trace hash id -> a fixed block of 512 ids in "
+        f"[100, 4000)), prompts capped at {MAX_IDS} ids ({MAX_IDS * 512:,} tokens), `max_tokens` = "
+        f"min(trace output, {MAX_OUTPUT}); open loop at the scaled timestamps, one connection per request.",
+        "- Timed ceiling: the ceiling recomputed from this run's own timings: a request's blocks count as cached "
+        "only from its first token on (send time + TTFT), and a request looks up at its send time. It removes "
+        "the reuse that no router can get because a turn or sub-agent arrives while the prompt it extends is still "
+        "queued or prefilling (the replay compresses the traces' time).",
+        f"- Our router at commit {git_head()}.",
+    ]
+    for name, m in meta.items():
+        if name == "agentic":
+            desc = (
+                f"{m['sessions']} sessions, {m['n']} requests ({m['subagent_requests']} from {m['bursts']} "
+                f"sub-agent bursts) over {m['span']:.0f} s"
+            )
+        else:
+            desc = (
+                f"{m['kept']} of {m['trace_requests']:,} requests (whole conversations: root id bucket 0 of "
+                f"{m['modulus']}), {m['kept_span_s']:.0f} s of trace compressed {m['time_scale']:.0f}x into "
+                f"{m['span']:.0f} s"
+            )
+        lines.append(
+            f"- {name}: {desc}; mean prompt {m['prompt_tokens'] / m['n']:,.0f} tokens; ceiling (one infinite "
+            f"cache, {BLOCK}-token blocks, in prompt tokens) {m['ceiling']:.1%}; one LRU cache of the fleet's "
+            f"total capacity would reach {m['lru_fleet']:.1%}."
+        )
+    lines += [
+        "",
+        "| workload | policy | prefix-hit share (engines) | of ceiling | of timed ceiling | TTFT p50 / p90 (ms) | req/s | "
+        "prompt tok/s | requests per engine max/mean | errors |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name in loads:
+        for policy in policies:
+            s = rows.get((name, policy))
+            if s is None:
+                continue
+            if "skipped" in s:
+                lines.append(f"| {name} | {policy} | skipped: {s['skipped']} | | | | | | | |")
+                continue
+            lines.append(
+                f"| {name} | {policy} | {s['hit_share']:.1%} | {s['of_ceiling']:.0%} | "
+                f"{s['hit_share'] / s['timed_ceiling']:.0%} of {s['timed_ceiling']:.1%} | {fmt(s['ttft_p50'], 0)} / "
+                f"{fmt(s['ttft_p90'], 0)} | {fmt(s['rps'])} | {fmt(s['tps'], 0)} | {fmt(s['max_mean'], 2)} | "
+                f"{s['errors']} |"
+            )
+    lines += [
+        "",
+        "Targets (precise): at least 95 % of the ceiling with max/mean load at most 1.3, and a lower TTFT "
+        "p90 than approximate and vllm-router cache_aware:",
+        "",
+    ]
+    for name in loads:
+        p = rows.get((name, "precise"))
+        if not p or "skipped" in p:
+            continue
+        checks = [
+            (f"{p['of_ceiling']:.0%} of ceiling", p["of_ceiling"] >= TARGETS["ceiling_share"]),
+            (f"max/mean {p['max_mean']:.2f}", p["max_mean"] <= TARGETS["max_mean"]),
+        ]
+        for other in ("approximate", "vllm-router cache_aware"):
+            o = rows.get((name, other))
+            if o and "skipped" not in o:
+                checks.append(
+                    (
+                        f"TTFT p90 {p['ttft_p90']:.0f} vs {other} {o['ttft_p90']:.0f} ms",
+                        p["ttft_p90"] < o["ttft_p90"],
+                    )
+                )
+        lines.append(f"- {name}: " + "; ".join(f"{t} **{'met' if ok else 'MISSED'}**" for t, ok in checks))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

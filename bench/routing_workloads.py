@@ -1,0 +1,226 @@
+"""Workloads for bench/routing.py: Mooncake trace subsets, a synthetic agentic workload, token expansion and the
+prefix-reuse ceilings.
+
+A request is a list of 512-token "id blocks" (the traces' hash ids) plus its prompt length; each id expands to a
+fixed block of 512 token ids in [100, 4000) (the tiny model's vocabulary is 4096), the same id always the same
+tokens, so equal id prefixes are equal token prefixes. A prompt whose length is not a multiple of 512 takes the
+leading tokens of its last id's block.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import zlib
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ID_TOKENS = 512
+TOKEN_LO, TOKEN_HI = 100, 4000
+TRACES = Path("/work/shared/traces")
+TRACE_FILES = {
+    "conversation": "mooncake_conversation_trace.jsonl",
+    "synthetic": "mooncake_synthetic_trace.jsonl",
+}
+
+
+@dataclass
+class Req:
+    at: float  # seconds from the start of the replay (already time-scaled)
+    ids: list[int]
+    length: int  # prompt tokens
+    max_tokens: int
+    session: str | None = None
+    tags: dict = field(default_factory=dict)
+
+
+_BLOCKS: dict[int, list[int]] = {}
+
+
+def id_tokens(block_id: int) -> list[int]:
+    tokens = _BLOCKS.get(block_id)
+    if tokens is None:
+        rng = random.Random(block_id * 2654435761 + 12345)
+        tokens = _BLOCKS[block_id] = [rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(ID_TOKENS)]
+    return tokens
+
+
+def prompt_tokens(req: Req) -> list[int]:
+    out: list[int] = []
+    for block_id in req.ids:
+        out.extend(id_tokens(block_id))
+    return out[: req.length]
+
+
+def trace_subset(
+    name: str, modulus: int, duration_s: float, max_ids: int, max_output: int, rare: float = 0.01
+) -> tuple[list[Req], dict]:
+    """Requests whose conversation root falls in one of `modulus` buckets (bucket 0), over the whole trace, with
+    the timeline compressed to `duration_s`.
+
+    The root is a request's first hash id that fewer than `rare` of all requests share (ids every request shares,
+    like a common system prompt, are skipped). Sampling whole conversations keeps each kept request's history, so
+    the subset's reuse ceiling stays close to the full trace's, which a contiguous time window would not (its
+    start is cold). Prompts are capped at `max_ids` ids (the leading ones, which carry the shared prefixes).
+    """
+    rows = [json.loads(line) for line in (TRACES / TRACE_FILES[name]).open()]
+    freq = Counter(i for r in rows for i in set(r["hash_ids"]))
+    limit = rare * len(rows)
+
+    def root(row) -> int:
+        for block_id in row["hash_ids"]:
+            if freq[block_id] < limit:
+                return block_id
+        return -1
+
+    kept = [r for r in rows if zlib.crc32(str(root(r)).encode()) % modulus == 0]
+    t0 = kept[0]["timestamp"]
+    span = max(1, kept[-1]["timestamp"] - t0)
+    scale = span / 1000.0 / duration_s
+    reqs = []
+    for r in kept:
+        ids = r["hash_ids"][:max_ids]
+        length = min(r["input_length"], len(ids) * ID_TOKENS)
+        length = max(length, (len(ids) - 1) * ID_TOKENS + 1)
+        reqs.append(
+            Req(
+                at=(r["timestamp"] - t0) / 1000.0 / scale,
+                ids=ids,
+                length=length,
+                max_tokens=max(1, min(max_output, r["output_length"])),
+            )
+        )
+    info = {
+        "trace_requests": len(rows),
+        "trace_span_s": (rows[-1]["timestamp"] - rows[0]["timestamp"]) / 1000,
+        "kept": len(kept),
+        "modulus": modulus,
+        "time_scale": scale,
+        "kept_span_s": span / 1000,
+    }
+    return reqs, info
+
+
+def agentic(sessions: int, duration_s: float, max_output: int, seed: int = 7) -> tuple[list[Req], dict]:
+    """Agent sessions: a system prompt all sessions share (4 ids), a per-session task (2 ids), a context that
+    grows by 1-2 ids a turn; after some turns a burst of 3-6 sub-agents, each starting from the session's
+    current context plus its own task id, two turns each. Every request carries its session's `x-session-id`
+    (sub-agents their parent's). Sessions start over the first 55 % of the run; think time between turns
+    scales with the run's length."""
+    rng = random.Random(seed)
+    system = [9_000_000 + i for i in range(4)]
+    next_id = 10_000_000
+    gap = duration_s / 12
+
+    def fresh(n: int) -> list[int]:
+        nonlocal next_id
+        ids = list(range(next_id, next_id + n))
+        next_id += n
+        return ids
+
+    reqs: list[Req] = []
+    bursts = subagents = 0
+    for s in range(sessions):
+        session = f"sess-{s}"
+        context = system + fresh(2)
+        t = rng.uniform(0, 0.55 * duration_s)
+        turns = rng.randint(6, 9)
+        for turn in range(turns):
+            reqs.append(
+                Req(t, list(context), len(context) * ID_TOKENS - rng.randrange(0, 300), max_output, session)
+            )
+            if turn >= 1 and rng.random() < 0.35:
+                bursts += 1
+                for _ in range(rng.randint(3, 6)):
+                    subagents += 1
+                    sub = context + fresh(1)
+                    t_sub = t + rng.uniform(0.3, 0.6) * gap * 0.5
+                    reqs.append(Req(t_sub, list(sub), len(sub) * ID_TOKENS - 200, max_output, session))
+                    sub = sub + fresh(1)
+                    reqs.append(
+                        Req(
+                            t_sub + rng.uniform(0.6, 1.0) * gap,
+                            list(sub),
+                            len(sub) * ID_TOKENS - 100,
+                            max_output,
+                            session,
+                        )
+                    )
+                context = context + fresh(1)  # the sub-agents' findings come back into the session
+            context = context + fresh(rng.randint(1, 2))
+            t += rng.uniform(0.6, 1.2) * gap
+    reqs.sort(key=lambda r: r.at)
+    info = {"sessions": sessions, "bursts": bursts, "subagent_requests": 2 * subagents}
+    return reqs, info
+
+
+def block_keys(req: Req, block_size: int) -> list[int]:
+    """Chained keys of the prompt's full engine blocks (equal keys, equal token prefixes)."""
+    per_id = ID_TOKENS // block_size
+    keys = []
+    prev = None
+    for j in range(req.length // block_size):
+        prev = hash((prev, req.ids[j // per_id], j % per_id))
+        keys.append(prev)
+    return keys
+
+
+def timed_ceiling(reqs: list[Req], results: list[dict], block_size: int) -> float:
+    """The ceiling once timing is taken into account: one infinite cache in which a request's blocks become
+    usable only when its prefill ended (its observed send time plus TTFT), and a request looks up the cache when it
+    is sent. What no router can beat when turns of a conversation (or sub-agents) arrive before the previous
+    prompt has been computed."""
+    ready: dict[int, float] = {}
+    for req, res in zip(reqs, results, strict=True):
+        if res.get("ok"):
+            at = res["sent"] + res["ttft"]
+            for key in block_keys(req, block_size):
+                if at < ready.get(key, float("inf")):
+                    ready[key] = at
+    total = hit = 0
+    for req, res in zip(reqs, results, strict=True):
+        if not res.get("ok"):
+            continue
+        usable = (req.length - 1) // block_size
+        n = 0
+        for key in block_keys(req, block_size)[:usable]:
+            if ready.get(key, float("inf")) > res["sent"]:
+                break
+            n += 1
+        total += req.length
+        hit += n * block_size
+    return hit / total if total else 0.0
+
+
+def ceilings(reqs: list[Req], block_size: int, lru_blocks: int | None = None) -> dict:
+    """Prompt-token reuse an engine would report with one infinite cache (the ceiling), and with one LRU cache
+    of `lru_blocks` blocks (what the fleet's total capacity could hold if it were one cache), over `reqs` in
+    order. Block granularity `block_size`; the last prompt token is never served from cache (as on vLLM)."""
+    seen: set = set()
+    lru: OrderedDict = OrderedDict()
+    total = hit_inf = hit_lru = 0
+    for req in reqs:
+        keys = block_keys(req, block_size)
+        usable = (req.length - 1) // block_size
+        n = 0
+        while n < min(usable, len(keys)) and keys[n] in seen:
+            n += 1
+        m = 0
+        if lru_blocks:
+            while m < min(usable, len(keys)) and keys[m] in lru:
+                m += 1
+            for key in keys:
+                lru[key] = None
+                lru.move_to_end(key)
+            while len(lru) > lru_blocks:
+                lru.popitem(last=False)
+        seen.update(keys)
+        total += req.length
+        hit_inf += n * block_size
+        hit_lru += m * block_size
+    return {
+        "prompt_tokens": total,
+        "ceiling": hit_inf / total if total else 0.0,
+        "lru_fleet": hit_lru / total if total else 0.0,
+    }
