@@ -29,7 +29,7 @@ from .dialects import ANTHROPIC, OPENAI, RESPONSES, Dialect, Usage
 from .disagg import decode_body, plan_disaggregated, plan_peer_pull, prefill_body
 from .finisher import Finisher
 from .load_scraper import LOAD_KEY
-from .pipeline import PREFILL_ROLES, Candidate, EndpointLoad, Pipeline, RequestContext
+from .pipeline import PREFILL_ROLES, RECENT_WINDOW_S, Candidate, EndpointLoad, Pipeline, RequestContext
 from .prefix import PrefixRouting
 from .state import DeploymentInfo, EndpointInfo, KeyInfo, Snapshot, load_snapshot
 
@@ -488,6 +488,7 @@ class Exchange:
             body = await self._prefill_elsewhere(candidate, candidates)
             load = self.router.loads.setdefault(endpoint.id, EndpointLoad())
             load.active += 1
+            load.assigned(time.monotonic(), RECENT_WINDOW_S)
             try:
                 if await self._try(endpoint.url, body):
                     return

@@ -8,6 +8,8 @@ SCORERS.
 from __future__ import annotations
 
 import itertools
+import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -37,6 +39,20 @@ class EndpointLoad:
     running: float = 0.0  # from the engine's /metrics
     waiting: float = 0.0
     kv_usage: float = 0.0
+    _recent: float = 0.0
+    _recent_at: float = 0.0
+
+    def assigned(self, now: float, window_s: float) -> None:
+        """Count a request sent there; the count decays with time constant `window_s`."""
+        self._recent = self.recent(now, window_s) + 1.0
+        self._recent_at = now
+
+    def recent(self, now: float, window_s: float) -> float:
+        """Requests sent there lately (exponentially decayed): load that short requests leave no trace of in
+        the in-flight count."""
+        if not self._recent:
+            return 0.0
+        return self._recent * math.exp(-(now - self._recent_at) / window_s)
 
 
 @dataclass
@@ -127,10 +143,15 @@ class SessionAffinityScorer:
         return [1.0 if c.endpoint.id == ctx.session_endpoint else 0.0 for c in candidates]
 
 
+RECENT_WINDOW_S = 5.0
+
+
 def load_guard(candidates: list[Candidate], ratio: float) -> None:
     """Keep affinity from piling everything on one engine: an engine loaded beyond `ratio` times the mean
-    (plus one request of slack) loses its prefix and session scores."""
-    loads = [c.load.active + c.load.waiting for c in candidates]
+    (plus one request of slack) loses its prefix and session scores. Load is what is in flight or queued
+    there plus what was sent there lately."""
+    now = time.monotonic()
+    loads = [c.load.active + c.load.waiting + c.load.recent(now, RECENT_WINDOW_S) for c in candidates]
     mean = sum(loads) / len(loads)
     for candidate, load in zip(candidates, loads, strict=True):
         if load > ratio * mean + 1:
