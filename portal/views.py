@@ -13,7 +13,7 @@ from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied, ValidationError
-from django.db.models import Count, Prefetch, Q, Sum
+from django.db.models import Count, Prefetch, Q
 from django.http import JsonResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
@@ -167,38 +167,44 @@ def teams(request):
 
 
 def _quota_usage(team, quotas) -> list[dict]:
-    from tenants.models import UsageRecord
+    """Each quota beside what the router's admission has counted against it now (its own Redis counters:
+    this minute's requests and tokens, requests in flight, and the period's tokens and spend, reservations of
+    running requests included)."""
+    import redis
+    from django.conf import settings
 
+    from routing.admission import quota_counters
+
+    client = redis.Redis.from_url(settings.REDIS_URL)
     out = []
     now = timezone.now()
     for quota in quotas:
         start, end = quota.period_bounds(now)
-        records = UsageRecord.objects.filter(team=team)
-        if quota.api_key_id:
-            records = records.filter(api_key_id=quota.api_key_id)
-        period = records.filter(created_at__gte=start, created_at__lt=end).aggregate(
-            tokens=Sum("prompt_tokens", default=0) + Sum("output_tokens", default=0),
-            spend=Sum("cost", default=0),
-        )
-        minute = records.filter(created_at__gte=now - timedelta(minutes=1)).aggregate(
-            requests=Count("id"),
-            input=Sum("prompt_tokens", default=0),
-            output=Sum("output_tokens", default=0),
-        )
+        kind, ident = ("key", quota.api_key_id) if quota.api_key_id else ("team", team.pk)
+        used = quota_counters(client, kind=kind, ident=ident, quota=quota)
         out.append(
             {
                 "quota": quota,
                 "start": start,
                 "end": end,
                 "limits": [
-                    ("Requests per minute", quota.requests_per_minute, minute["requests"]),
-                    ("Input tokens per minute", quota.input_tokens_per_minute, minute["input"]),
-                    ("Output tokens per minute", quota.output_tokens_per_minute, minute["output"]),
-                    (f"Tokens this {quota.budget_period}", quota.token_budget, period["tokens"]),
+                    ("Requests per minute", quota.requests_per_minute, used["requests_per_minute"]),
+                    (
+                        "Input tokens per minute",
+                        quota.input_tokens_per_minute,
+                        used["input_tokens_per_minute"],
+                    ),
+                    (
+                        "Output tokens per minute",
+                        quota.output_tokens_per_minute,
+                        used["output_tokens_per_minute"],
+                    ),
+                    ("Concurrent requests", quota.max_concurrent_requests, used["concurrent"]),
+                    (f"Tokens this {quota.budget_period}", quota.token_budget, used["tokens"]),
                     (
                         f"Spend this {quota.budget_period} ({quota.currency})",
                         quota.spend_budget,
-                        period["spend"],
+                        used["spend"],
                     ),
                 ],
                 "concurrency": quota.max_concurrent_requests,

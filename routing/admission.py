@@ -241,3 +241,30 @@ class Admission:
 
 def _limit(value) -> int:
     return -1 if value is None else int(value)
+
+
+def quota_counters(redis_client, *, kind: str, ident: int, quota) -> dict:
+    """What admission has counted against a quota right now (sync client): the same Redis keys the admission
+    script checks, so a page can show exactly what the next request will be judged against. Budgets include
+    the reservations of requests still running."""
+    from datetime import UTC, datetime
+
+    now = time.time()
+    start, _ = period_bounds(quota.budget_period, datetime.fromtimestamp(now, UTC))
+    keys = Admission._scope_keys(kind, ident, quota, int(now // 60), int(start.timestamp()))
+    with redis_client.pipeline(transaction=False) as pipe:
+        pipe.get(keys[0])
+        pipe.get(keys[1])
+        pipe.get(keys[2])
+        pipe.zcount(keys[3], now, "+inf")
+        pipe.get(keys[4])
+        pipe.get(keys[5])
+        rpm, itpm, otpm, concurrent, tokens, spend = pipe.execute()
+    return {
+        "requests_per_minute": int(rpm or 0),
+        "input_tokens_per_minute": int(itpm or 0),
+        "output_tokens_per_minute": int(otpm or 0),
+        "concurrent": int(concurrent or 0),
+        "tokens": int(tokens or 0),
+        "spend": Decimal(int(spend or 0)) / MONEY_SCALE,
+    }
