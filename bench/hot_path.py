@@ -101,8 +101,11 @@ def bench_tokenize() -> list[tuple]:
     first = [(time.perf_counter() - start) * 1000]
     turns = []
     for turn in range(50):
-        history = [*history, {"role": "user", "content": f"Now change function number {turn} and rerun tests."},
-                   {"role": "assistant", "content": f"Changed function {turn}; the tests pass."}]
+        history = [
+            *history,
+            {"role": "user", "content": f"Now change function number {turn} and rerun tests."},
+            {"role": "assistant", "content": f"Changed function {turn}; the tests pass."},
+        ]
         start = time.perf_counter()
         tokenizer.encode_chat(history)
         turns.append((time.perf_counter() - start) * 1000)
@@ -115,8 +118,10 @@ def bench_tokenize() -> list[tuple]:
 def main() -> None:
     redis_url = os.environ.get("REDIS_URL")
     if not redis_url:
-        os.execv(sys.executable, [sys.executable, "-m", "inference_platform.devstack", "exec", "--",
-                                  sys.executable, *sys.argv])
+        os.execv(
+            sys.executable,
+            [sys.executable, "-m", "inference_platform.devstack", "exec", "--", sys.executable, *sys.argv],
+        )
     rows = asyncio.run(bench_lookup(redis_url)) + bench_tokenize()
     print(f"{'measure':58} {'n':>5} {'median ms':>10} {'p90 ms':>9}  note")
     for name, n, median, p90, note in rows:
