@@ -6,42 +6,78 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('tenants', '0003_quota_limit_validators'),
+        ("tenants", "0003_quota_limit_validators"),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='UsageRollupState',
+            name="UsageRollupState",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('last_record_id', models.BigIntegerField(default=0)),
-                ('updated_at', models.DateTimeField(auto_now=True)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("last_record_id", models.BigIntegerField(default=0)),
+                ("updated_at", models.DateTimeField(auto_now=True)),
             ],
         ),
         migrations.CreateModel(
-            name='UsageDaily',
+            name="UsageDaily",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('day', models.DateField()),
-                ('deployment_id', models.BigIntegerField(blank=True, null=True)),
-                ('model', models.CharField(max_length=200)),
-                ('currency', models.CharField(max_length=3)),
-                ('requests', models.BigIntegerField(default=0)),
-                ('errors', models.BigIntegerField(default=0, help_text='Requests that failed or were cancelled.')),
-                ('prompt_tokens', models.BigIntegerField(default=0)),
-                ('cached_prompt_tokens', models.BigIntegerField(default=0)),
-                ('output_tokens', models.BigIntegerField(default=0)),
-                ('cost', models.DecimalField(decimal_places=8, default=Decimal('0'), max_digits=24)),
-                ('api_key', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='+', to='tenants.apikey')),
-                ('team', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='+', to='tenants.team')),
-                ('tenant', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='+', to='tenants.tenant')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("day", models.DateField()),
+                ("deployment_id", models.BigIntegerField(blank=True, null=True)),
+                ("model", models.CharField(max_length=200)),
+                ("currency", models.CharField(max_length=3)),
+                ("requests", models.BigIntegerField(default=0)),
+                (
+                    "errors",
+                    models.BigIntegerField(default=0, help_text="Requests that failed or were cancelled."),
+                ),
+                ("prompt_tokens", models.BigIntegerField(default=0)),
+                ("cached_prompt_tokens", models.BigIntegerField(default=0)),
+                ("output_tokens", models.BigIntegerField(default=0)),
+                ("cost", models.DecimalField(decimal_places=8, default=Decimal("0"), max_digits=24)),
+                (
+                    "api_key",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT, related_name="+", to="tenants.apikey"
+                    ),
+                ),
+                (
+                    "team",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT, related_name="+", to="tenants.team"
+                    ),
+                ),
+                (
+                    "tenant",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT, related_name="+", to="tenants.tenant"
+                    ),
+                ),
             ],
             options={
-                'ordering': ['day'],
-                'indexes': [models.Index(fields=['tenant', 'day'], name='usage_daily_tenant_day'), models.Index(fields=['team', 'day'], name='usage_daily_team_day')],
-                'constraints': [models.UniqueConstraint(fields=('day', 'tenant', 'team', 'api_key', 'deployment_id', 'model', 'currency'), name='usage_daily_one_row_per_group', nulls_distinct=False)],
+                "ordering": ["day"],
+                "indexes": [
+                    models.Index(fields=["tenant", "day"], name="usage_daily_tenant_day"),
+                    models.Index(fields=["team", "day"], name="usage_daily_team_day"),
+                ],
+                "constraints": [
+                    models.UniqueConstraint(
+                        fields=("day", "tenant", "team", "api_key", "deployment_id", "model", "currency"),
+                        name="usage_daily_one_row_per_group",
+                        nulls_distinct=False,
+                    )
+                ],
             },
         ),
     ]
