@@ -8,6 +8,7 @@ import json
 
 import httpx
 import pytest
+from django.db import connection
 
 from routing.models import RoutingPolicy
 from serving.models import Endpoint, Health, ModelDeployment, Pool
@@ -152,76 +153,99 @@ def test_a_busy_prefix_holder_serves_a_peer_pull(router_process):
     ]
     engines = [start_engine("sim", *timing, nixl_role="kv_both") for _ in range(2)]
     try:
-        tenant = Tenant.objects.create(name="Acme", slug="acme")
-        team = Team.objects.create(tenant=tenant, name="Agents", slug="agents")
-        deployment = ModelDeployment.objects.create(
-            name="tiny-peer", served_model_name=MODEL_NAME, model_source=str(MODEL_DIR), engine_kind="sim"
-        )
-        pool = Pool.objects.create(
-            deployment=deployment, name="main", kv_connector="NixlConnector", replicas=2
-        )
-        for index, engine in enumerate(engines):
-            Endpoint.objects.create(
-                pool=pool, name=f"tiny-peer-{index}", url=engine.url, role="both", health=Health.HEALTHY
-            )
-        RoutingPolicy.objects.create(
-            deployment=deployment, mode="approximate", load_guard_ratio=1.0, pd_split_threshold_tokens=256
-        )
-        key = api_key_create(team=team, name="agent", scopes=[Scope.INFERENCE])
-        fleet = Fleet(router_process, engines, deployment, team, key, key)
-        fleet.sync()
-
-        first, _ = stream_chat(fleet, LONG, max_tokens=1)
-        (seed,) = usage_events([first], wait_for=1)
-        holder = next(e for e in engines if e.url == seed.endpoint)
-        other = next(e for e in engines if e.url != seed.endpoint)
-
-        async def busy_then_pull():
-            async with httpx.AsyncClient(timeout=120) as client:
-                headers = {"authorization": f"Bearer {fleet.key.secret}"}
-                # Keep the holder busy with requests that share the prefix (so they stay there).
-                hogs = []
-                for _ in range(3):
-                    hogs.append(
-                        asyncio.create_task(
-                            client.post(
-                                f"{fleet.router.url}/v1/chat/completions",
-                                headers=headers,
-                                json={
-                                    "model": MODEL_NAME,
-                                    "max_tokens": 80,
-                                    "ignore_eos": True,
-                                    "messages": [{"role": "user", "content": LONG}],
-                                },
-                            )
-                        )
-                    )
-                    await asyncio.sleep(0.1)
-                await asyncio.sleep(0.3)
-                reply = await client.post(
-                    f"{fleet.router.url}/v1/chat/completions",
-                    headers=headers,
-                    json={
-                        "model": MODEL_NAME,
-                        "max_tokens": 3,
-                        "ignore_eos": True,
-                        "messages": [{"role": "user", "content": LONG + " Now the sub-agent's question."}],
-                    },
-                )
-                await asyncio.gather(*hogs)
-                return reply
-
-        reply = asyncio.run(busy_then_pull())
-        assert reply.status_code == 200
-        (event,) = usage_events([reply.headers["x-request-id"]], wait_for=1)
-        assert event.endpoint == other.url  # decoded on the idle engine...
-        assert transfers(other) == 1  # ...which pulled the prefix from the holder instead of recomputing it
-        assert event.cached_prompt_tokens >= 256  # the holder's prefill leg was a cache hit
-        assert 'kind="peer_pull"' in httpx.get(f"{fleet.router.url}/metrics").text
-        assert holder.metrics()["vllm:prefix_cache_hits_total"] >= 256
+        peer_pull_scenario(router_process, engines, hog_tokens=80)
     finally:
         for engine in engines:
             engine.stop()
+
+
+def test_a_busy_prefix_holder_serves_a_peer_pull_on_real_vllm(router_process):
+    from ..serving.engines import wait_healthy
+
+    engines = [start_engine("vllm", nixl_role="kv_both", wait=False) for _ in range(2)]
+    try:
+        for engine in engines:
+            wait_healthy(engine, 600)
+        peer_pull_scenario(router_process, engines, hog_tokens=300)
+    finally:
+        for engine in engines:
+            engine.stop()
+
+
+def peer_pull_scenario(router_process, engines, hog_tokens: int) -> None:
+    tenant = Tenant.objects.create(name="Acme", slug="acme")
+    team = Team.objects.create(tenant=tenant, name="Agents", slug="agents")
+    deployment = ModelDeployment.objects.create(
+        name="tiny-peer", served_model_name=MODEL_NAME, model_source=str(MODEL_DIR), engine_kind="sim"
+    )
+    pool = Pool.objects.create(deployment=deployment, name="main", kv_connector="NixlConnector", replicas=2)
+    for index, engine in enumerate(engines):
+        Endpoint.objects.create(
+            pool=pool, name=f"tiny-peer-{index}", url=engine.url, role="both", health=Health.HEALTHY
+        )
+    # A lax load guard while the holder is made busy, so those requests all stay with their prefix.
+    policy = RoutingPolicy.objects.create(
+        deployment=deployment, mode="approximate", load_guard_ratio=50.0, pd_split_threshold_tokens=256
+    )
+    key = api_key_create(team=team, name="agent", scopes=[Scope.INFERENCE])
+    fleet = Fleet(router_process, engines, deployment, team, key, key)
+    fleet.sync()
+
+    first, _ = stream_chat(fleet, LONG, max_tokens=1)
+    (seed,) = usage_events([first], wait_for=1)
+    holder = next(e for e in engines if e.url == seed.endpoint)
+    other = next(e for e in engines if e.url != seed.endpoint)
+
+    def tighten_the_guard() -> None:
+        try:
+            RoutingPolicy.objects.filter(pk=policy.pk).update(load_guard_ratio=1.0)
+            fleet.sync()
+        finally:
+            connection.close()  # this thread's own database connection
+
+    async def busy_then_pull():
+        async with httpx.AsyncClient(timeout=300) as client:
+            headers = {"authorization": f"Bearer {fleet.key.secret}"}
+            # Keep the holder busy with requests that share the prefix (so they stay there).
+            hogs = []
+            for _ in range(3):
+                hogs.append(
+                    asyncio.create_task(
+                        client.post(
+                            f"{fleet.router.url}/v1/chat/completions",
+                            headers=headers,
+                            json={
+                                "model": MODEL_NAME,
+                                "max_tokens": hog_tokens,
+                                "ignore_eos": True,
+                                "messages": [{"role": "user", "content": LONG}],
+                            },
+                        )
+                    )
+                )
+                await asyncio.sleep(0.1)
+            await asyncio.to_thread(tighten_the_guard)
+            reply = await client.post(
+                f"{fleet.router.url}/v1/chat/completions",
+                headers=headers,
+                json={
+                    "model": MODEL_NAME,
+                    "max_tokens": 3,
+                    "ignore_eos": True,
+                    "messages": [{"role": "user", "content": LONG + " Now the sub-agent's question."}],
+                },
+            )
+            await asyncio.gather(*hogs)
+            return reply
+
+    reply = asyncio.run(busy_then_pull())
+    assert reply.status_code == 200
+    (event,) = usage_events([reply.headers["x-request-id"]], wait_for=1)
+    assert event.endpoint == other.url  # decoded on the idle engine...
+    assert transfers(other) == 1  # ...which pulled the prefix from the holder instead of recomputing it
+    assert event.cached_prompt_tokens >= 256  # the holder's prefill leg was a cache hit
+    assert 'kind="peer_pull"' in httpx.get(f"{fleet.router.url}/metrics").text
+    assert holder.metrics()["vllm:prefix_cache_hits_total"] >= 256
 
 
 @pytest.fixture(scope="module")
