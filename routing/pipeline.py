@@ -154,7 +154,10 @@ def load_guard(candidates: list[Candidate], ratio: float) -> None:
     loads = [c.load.active + c.load.waiting + c.load.recent(now, RECENT_WINDOW_S) for c in candidates]
     mean = sum(loads) / len(loads)
     for candidate, load in zip(candidates, loads, strict=True):
-        if load > ratio * mean + 1:
+        # Only an engine with work in hand now is guarded: a lone conversation's quick turns on an idle fleet
+        # stay with their prefix, however many were sent lately.
+        busy = candidate.load.active + candidate.load.waiting >= 1
+        if busy and load > ratio * mean + 1:
             candidate.scores["prefix"] = 0.0
             candidate.scores["session"] = 0.0
 

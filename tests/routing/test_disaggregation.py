@@ -159,19 +159,6 @@ def test_a_busy_prefix_holder_serves_a_peer_pull(router_process):
             engine.stop()
 
 
-def test_a_busy_prefix_holder_serves_a_peer_pull_on_real_vllm(router_process):
-    from ..serving.engines import wait_healthy
-
-    engines = [start_engine("vllm", nixl_role="kv_both", wait=False) for _ in range(2)]
-    try:
-        for engine in engines:
-            wait_healthy(engine, 600)
-        peer_pull_scenario(router_process, engines, hog_tokens=300)
-    finally:
-        for engine in engines:
-            engine.stop()
-
-
 def peer_pull_scenario(router_process, engines, hog_tokens: int) -> None:
     tenant = Tenant.objects.create(name="Acme", slug="acme")
     team = Team.objects.create(tenant=tenant, name="Agents", slug="agents")
