@@ -495,6 +495,7 @@ class Exchange:
                 last_error = f"engine {endpoint.name} answered {self.http_status}"
             except (TimeoutError, aiohttp.ClientConnectionError) as exc:
                 last_error = f"could not reach engine {endpoint.name}: {exc.__class__.__name__}"
+                log.warning("request %s: %s (%s)", self.request_id, last_error, exc)
                 metrics.of(metrics.errors, self.model, "connect").inc()
             finally:
                 load.active -= 1

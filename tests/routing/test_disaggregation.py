@@ -85,7 +85,7 @@ def stream_chat(fleet, content: str, max_tokens: int = 5) -> tuple[str, list[dic
             "ignore_eos": True,
         },
     ) as response:
-        assert response.status_code == 200
+        assert response.status_code == 200, response.read()
         request_id = response.headers["x-request-id"]
         chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
     return request_id, chunks
@@ -154,6 +154,19 @@ def test_a_busy_prefix_holder_serves_a_peer_pull(router_process):
     engines = [start_engine("sim", *timing, nixl_role="kv_both") for _ in range(2)]
     try:
         peer_pull_scenario(router_process, engines, hog_tokens=80)
+    finally:
+        for engine in engines:
+            engine.stop()
+
+
+def test_a_busy_prefix_holder_serves_a_peer_pull_on_real_vllm(router_process):
+    from ..serving.engines import wait_healthy
+
+    engines = [start_engine("vllm", nixl_role="kv_both", wait=False) for _ in range(2)]
+    try:
+        for engine in engines:
+            wait_healthy(engine, 600)
+        peer_pull_scenario(router_process, engines, hog_tokens=300)
     finally:
         for engine in engines:
             engine.stop()

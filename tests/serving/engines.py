@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -20,6 +22,9 @@ MODEL_DIR = ROOT / "models" / "tiny-qwen"
 MODEL_NAME = "tiny-qwen"
 ENGINE_PYTHON = Path(os.environ.get("ENGINE_PYTHON", ROOT / ".venv-engine" / "bin" / "python"))
 LOG_DIR = ROOT / ".local" / "test-engines"
+
+
+_vllm_cores = itertools.cycle(sorted(os.sched_getaffinity(0)))
 
 
 def free_port() -> int:
@@ -59,13 +64,24 @@ class RunningEngine:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def stop(self) -> None:
+        """Stop the engine and every process it started (vLLM's engine core, NIXL's threads' helpers).
+
+        The engine runs in a session of its own, so its whole process group is signalled: a child left
+        behind would keep its ports, its memory and a busy-polling core, and stall the next test."""
         if self.process.poll() is None:
-            self.process.terminate()
+            self._signal_group(signal.SIGTERM)
             try:
                 self.process.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        self._signal_group(signal.SIGKILL)  # whatever the main process left behind
+
+    def _signal_group(self, signum: int) -> None:
+        try:
+            os.killpg(self.process.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def engine_flags(port: int, events_port: int | None, *, nixl_role: str | None = None) -> list[str]:
@@ -115,6 +131,10 @@ def start_engine(
     events_port = free_port() if events else None
     side_channel_port = free_port() if nixl_role else None
     env = {**os.environ, "PYTHONHASHSEED": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    if kind == "vllm":
+        # One core per vLLM engine, in turn: engines whose OpenMP threads all spin on every core starve each
+        # other (and NIXL's side channel, whose handshake times out after 5 s).
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(next(_vllm_cores))
     if nixl_role:
         env.update(
             {
