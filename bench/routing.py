@@ -198,7 +198,7 @@ class Scraper(threading.Thread):
                 close_old_connections()
 
 
-def start_router(procs: ro.Processes, env: dict, tag: str, root: Path = ROOT):
+def start_router(procs: ro.Processes, env: dict, tag: str, root: Path = ROOT, decision_log: bool = False):
     port = ro.free_port()
     argv = [PYTHON, "-m", "uvicorn", "inference_platform.asgi:application", "--host", "127.0.0.1"]
     argv += ["--port", str(port), "--loop", "uvloop", "--http", "httptools", "--no-access-log"]
@@ -206,7 +206,7 @@ def start_router(procs: ro.Processes, env: dict, tag: str, root: Path = ROOT):
     extra = {
         "ROUTER_CONFIG_POLL_SECONDS": "0.5",
         "ROUTER_APPROX_BLOCKS_PER_ENDPOINT": str(KV_BLOCKS),
-        "ROUTER_DECISION_LOG_SAMPLE": "0",
+        "ROUTER_DECISION_LOG_SAMPLE": "1" if decision_log else "0",
     }
     proc = procs.start(f"routing-router-{tag}", argv, core=None, env={**env, **extra}, cwd=root)
     ro.wait_until(lambda: ro.http_get(port, "/health") == 200, proc, f"routing-router-{tag}", 120)
@@ -360,6 +360,47 @@ def fmt(value: float, digits: int = 1) -> str:
     return "n/a" if value != value else f"{value:,.{digits}f}"
 
 
+def decision_summary(process_name: str) -> str:
+    """Where the router gave prefix blocks up, from its decision log (one line per request): blocks the best
+    holder had over the chosen endpoint, split by cause (the load guard dropped the holder's affinity, or the
+    other scorers outweighed it)."""
+    path = STATE / "logs" / f"{process_name}.log"
+    requests = prompt_blocks = best_blocks = chosen_blocks = 0
+    lost = {"guard": 0, "score": 0}
+    moved = {"guard": 0, "score": 0}
+    for line in path.read_text(errors="replace").splitlines():
+        if " chose=" not in line:
+            continue
+        fields = line.split(" chose=", 1)[1].split()
+        chosen, blocks, candidates = fields[0], int(fields[1].split("=")[1]), fields[2:]
+        held, guarded = {}, set()
+        for candidate in candidates:
+            name, _, attrs = candidate.partition(":")
+            for attr in attrs.split(","):
+                if attr.startswith("held="):
+                    held[name] = sum(int(n) for n in attr[5:].split("/"))
+                elif attr == "guarded":
+                    guarded.add(name)
+        requests += 1
+        prompt_blocks += blocks
+        best = max(held.values(), default=0)
+        mine = held.get(chosen, 0)
+        best_blocks += best
+        chosen_blocks += mine
+        if mine < best:
+            holders = [n for n, h in held.items() if h == best]
+            cause = "guard" if all(n in guarded for n in holders) else "score"
+            lost[cause] += best - mine
+            moved[cause] += 1
+    if not requests:
+        return "no decisions logged"
+    return (
+        f"{requests} requests, {prompt_blocks} prompt blocks; best holder {best_blocks / prompt_blocks:.3f} of "
+        f"them, chosen {chosen_blocks / prompt_blocks:.3f}; given up to the load guard {lost['guard']} blocks "
+        f"({moved['guard']} requests), to the other scorers {lost['score']} blocks ({moved['score']} requests)"
+    )
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="smaller subsets and 8 s replays (about 4 minutes)")
@@ -377,6 +418,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--router-root",
         default=None,
         help="run our router from this checkout (to measure a router change without touching this tree)",
+    )
+    p.add_argument(
+        "--decision-log",
+        action="store_true",
+        help="log every routing decision of our router and print where prefix blocks were given up",
     )
     p.add_argument(
         "--docs", default=None, help="write the section here (default docs/benchmarks.md; none with --quick)"
@@ -523,7 +569,7 @@ def main(argv: list[str]) -> int:
                         continue
                 else:
                     set_mode(deployment_id, policy, overrides)
-                    proc, port = start_router(procs, env, tag, router_root)
+                    proc, port = start_router(procs, env, tag, router_root, args.decision_log)
                     headers = {"Authorization": f"Bearer {key}"}
                 before = [e.counters() for e in engines]
                 t0 = time.monotonic()
@@ -535,6 +581,8 @@ def main(argv: list[str]) -> int:
                 s = summarize(results, before, after, ceil["ceiling"])
                 s["timed_ceiling"] = wl.timed_ceiling(reqs, results, BLOCK)
                 rows[(name, policy)] = s
+                if args.decision_log and not policy.startswith("vllm-router"):
+                    log(f"{name:<12} {policy:<24} decisions: {decision_summary(f'routing-router-{tag}')}")
                 log(
                     f"{name:<12} {policy:<24} hit {s['hit_share']:.3f} ({s['of_ceiling']:.0%} of ceiling; "
                     f"usage {s['usage_hit_share']:.3f}; timed ceiling {s['timed_ceiling']:.3f})  TTFT p50 {s['ttft_p50']:.0f} p90 {s['ttft_p90']:.0f} ms  "

@@ -60,6 +60,7 @@ class Candidate:
     endpoint: EndpointInfo
     load: EndpointLoad
     scores: dict[str, float] = field(default_factory=dict)
+    guarded: bool = False  # the load guard dropped its affinity scores
 
 
 class Filter(Protocol):
@@ -160,6 +161,7 @@ def load_guard(candidates: list[Candidate], ratio: float) -> None:
         if busy and load > ratio * mean + 1:
             candidate.scores["prefix"] = 0.0
             candidate.scores["session"] = 0.0
+            candidate.guarded = True
 
 
 LOAD_SCORERS: list[tuple[Scorer, str]] = [

@@ -121,7 +121,7 @@ class PrefixRouting:
                 deployment.served_model_name,
                 chosen.endpoint.name,
                 ctx.block_count,
-                " ".join(f"{c.endpoint.name}:{_fmt(c.scores)}" for c in candidates),
+                " ".join(f"{c.endpoint.name}:{_fmt(ctx, c)}" for c in candidates),
             )
         predicted = min(predicted_blocks * deployment.block_size, max(0, ctx.prompt_tokens_estimate - 1))
         return predicted
@@ -153,8 +153,19 @@ def anthropic_as_chat(payload: dict) -> list[dict]:
     return messages
 
 
-def _fmt(scores: dict[str, float]) -> str:
-    return ",".join(f"{name}={value:.2f}" for name, value in sorted(scores.items()))
+def _fmt(ctx: RequestContext, candidate: Candidate) -> str:
+    """One candidate in a decision log line: the blocks it holds (precise: GPU/CPU/speculative; approximate:
+    sent before), whether the load guard dropped its affinity, and every scorer's score."""
+    parts = []
+    held = ctx.held.get(candidate.endpoint.id)
+    if held is not None:
+        parts.append(f"held={held.gpu}/{held.cpu}/{held.speculative}")
+    elif candidate.endpoint.id in ctx.approx_held:
+        parts.append(f"held={ctx.approx_held[candidate.endpoint.id]}")
+    if candidate.guarded:
+        parts.append("guarded")
+    parts += [f"{name}={value:.2f}" for name, value in sorted(candidate.scores.items())]
+    return ",".join(parts)
 
 
 def _log_failure(task: asyncio.Task) -> None:

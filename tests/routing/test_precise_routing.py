@@ -106,6 +106,12 @@ def follow_a_conversation_then_balance(fleet, engines: list[RunningEngine], paus
     (placed,) = usage_events([other], wait_for=1)
     assert placed.endpoint != home
 
+    # Every decision is logged here (sample rate 1): what each candidate held, and every scorer's score.
+    decided = [line for line in fleet.router.log().splitlines() if " chose=" in line]
+    assert len(decided) >= 6, fleet.router.log()[-2000:]
+    assert all("prefix=" in line and "queue=" in line and "session=" in line for line in decided)
+    assert sum("held=" in line for line in decided) >= 3  # the later turns found their prefix
+
 
 @pytest.fixture
 def sim_trio():
