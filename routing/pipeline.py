@@ -79,18 +79,21 @@ def not_excluded(ctx: RequestContext, candidates: list[Candidate]) -> list[Candi
     return [c for c in candidates if c.endpoint.id not in ctx.exclude]
 
 
+QUEUE_DEPTH_SCALE = 4
 DECODE_ROLES = ("both", "decode")
 PREFILL_ROLES = ("prefill",)
 
 
 class QueueScorer:
-    """Fewer queued and running requests score higher: the router's own in-flight count plus the engine's queue."""
+    """Fewer queued and running requests score higher: the router's own in-flight count plus the engine's queue,
+    against the deepest queue or QUEUE_DEPTH_SCALE, whichever is more: one or two requests in flight is not a
+    queue worth giving a cached prefix up for."""
 
     name = "queue"
 
     def score(self, ctx, candidates, policy):
         depths = [c.load.active + c.load.waiting for c in candidates]
-        worst = max(depths) or 1
+        worst = max(max(depths), QUEUE_DEPTH_SCALE)
         return [1.0 - depth / worst for depth in depths]
 
 
@@ -101,38 +104,46 @@ class KvUtilizationScorer:
         return [1.0 - min(1.0, max(0.0, c.load.kv_usage)) for c in candidates]
 
 
+def distinct_shares(held: list[float], blocks: int) -> list[float]:
+    """Each candidate's leading blocks as a share of the prompt, counting only what sets it apart: the blocks
+    that most candidates hold (a system prompt every engine has seen) cost the same wherever the request goes,
+    so they do not pull it towards one engine. The floor is the median of what the candidates hold."""
+    if not blocks:
+        return [0.0] * len(held)
+    floor = sorted(held)[(len(held) - 1) // 2] if len(held) > 2 else 0.0
+    span = blocks - floor
+    if span <= 0:
+        return [0.0] * len(held)
+    return [min(1.0, max(0.0, h - floor) / span) for h in held]
+
+
 class PrecisePrefixScorer:
-    """The share of the prompt's blocks, from the first, that the engine holds (its KV events say so),
-    weighted by tier: a block in GPU memory counts fully, one in CPU memory less."""
+    """The share of the prompt's blocks, from the first, that the engine holds (its KV events say so) beyond
+    what most candidates hold, weighted by tier: a block in GPU memory counts fully, one in CPU memory less."""
 
     name = "prefix"
 
     def score(self, ctx, candidates, policy):
-        if not ctx.block_count:
-            return [0.0] * len(candidates)
-        scores = []
+        held = []
         for c in candidates:
-            held = ctx.held.get(c.endpoint.id)
-            if held is None:
-                scores.append(0.0)
-                continue
-            weighted = (
-                held.gpu + held.speculative
-            ) * policy.gpu_tier_weight + held.cpu * policy.cpu_tier_weight
-            scores.append(min(1.0, weighted / ctx.block_count))
-        return scores
+            h = ctx.held.get(c.endpoint.id)
+            held.append(
+                0.0
+                if h is None
+                else (h.gpu + h.speculative) * policy.gpu_tier_weight + h.cpu * policy.cpu_tier_weight
+            )
+        return distinct_shares(held, ctx.block_count)
 
 
 class ApproximatePrefixScorer:
-    """The share of the prompt's leading blocks this router sent to the engine before (for engines without
-    KV events)."""
+    """The share of the prompt's leading blocks this router sent to the engine before, beyond what most
+    candidates were sent (for engines without KV events)."""
 
     name = "prefix"
 
     def score(self, ctx, candidates, policy):
-        if not ctx.block_count:
-            return [0.0] * len(candidates)
-        return [min(1.0, ctx.approx_held.get(c.endpoint.id, 0) / ctx.block_count) for c in candidates]
+        held = [float(ctx.approx_held.get(c.endpoint.id, 0)) for c in candidates]
+        return distinct_shares(held, ctx.block_count)
 
 
 class SessionAffinityScorer:

@@ -1,0 +1,57 @@
+"""The routing pipeline's scorers and picker on their own: plain data in, an endpoint out (no processes)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from routing.pipeline import EndpointLoad, Pipeline, RequestContext, distinct_shares
+from routing.prefix_index import Held
+from routing.state import DeploymentInfo, EndpointInfo, PolicyInfo
+
+
+def deployment(count: int, mode: str = "precise") -> DeploymentInfo:
+    endpoints = tuple(EndpointInfo(i, f"e{i}", f"http://e{i}", "both", 1) for i in range(count))
+    return DeploymentInfo(1, "tiny", "tiny", 4096, 128, PolicyInfo(mode=mode), endpoints, 0)
+
+
+def test_blocks_most_candidates_hold_do_not_set_one_apart():
+    # Six of eight engines hold a 16-block system prompt of a 25-block prompt; two hold nothing.
+    assert distinct_shares([16, 16, 16, 16, 16, 16, 0, 0], 25) == [0.0] * 8
+    # One engine also holds this session's context: it alone scores, by what it holds beyond the others.
+    shares = distinct_shares([24, 16, 16, 16, 16, 16, 0, 0], 25)
+    assert shares[0] == 8 / 9 and shares[1:] == [0.0] * 7
+    # With two candidates there is no majority to discount.
+    assert distinct_shares([16, 0], 25) == [16 / 25, 0.0]
+    assert distinct_shares([], 0) == []
+
+
+def test_new_sessions_spread_over_engines_that_hold_only_the_shared_system_prompt():
+    dep = deployment(8)
+    pipeline = Pipeline()
+    loads = {i: EndpointLoad() for i in range(8)}
+    held = {i: Held(gpu=16) for i in range(6)}  # engines 6 and 7 have seen nothing yet
+    chosen = Counter()
+    for _ in range(16):
+        ctx = RequestContext(model="tiny", block_keys=["k"] * 25, block_count=25, held=held)
+        pick, _ = pipeline.choose(dep, ctx, loads)
+        chosen[pick.endpoint.id] += 1
+    assert chosen == {i: 2 for i in range(8)}  # every engine, evenly
+
+
+def test_a_conversation_stays_with_its_holder_while_it_has_a_request_in_flight():
+    dep = deployment(4)
+    loads = {i: EndpointLoad() for i in range(4)}
+    loads[0].active = 1  # the holder is serving the previous turn's sub-agent
+    ctx = RequestContext(model="tiny", block_keys=["k"] * 100, block_count=100, held={0: Held(gpu=45)})
+    pick, candidates = Pipeline().choose(dep, ctx, loads)
+    assert pick.endpoint.id == 0
+    assert candidates[0].scores["queue"] < candidates[1].scores["queue"]  # the load still counts against it
+
+
+def test_a_deep_queue_outweighs_a_cached_prefix():
+    dep = deployment(4)
+    loads = {i: EndpointLoad() for i in range(4)}
+    loads[0].waiting = 12
+    ctx = RequestContext(model="tiny", block_keys=["k"] * 100, block_count=100, held={0: Held(gpu=45)})
+    pick, _ = Pipeline().choose(dep, ctx, loads)
+    assert pick.endpoint.id != 0
