@@ -394,6 +394,8 @@ def decision_summary(process_name: str) -> str:
             moved[cause] += 1
     if not requests:
         return "no decisions logged"
+    if not prompt_blocks:
+        return f"{requests} requests; this policy does not look at prompt blocks"
     return (
         f"{requests} requests, {prompt_blocks} prompt blocks; best holder {best_blocks / prompt_blocks:.3f} of "
         f"them, chosen {chosen_blocks / prompt_blocks:.3f}; given up to the load guard {lost['guard']} blocks "
