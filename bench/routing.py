@@ -246,12 +246,23 @@ async def replay(port: int, headers: dict, reqs: list[wl.Req], bodies: list[byte
     timeout = aiohttp.ClientTimeout(total=300)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         start = time.perf_counter() + 0.2
+        ended = [asyncio.Event() for _ in reqs]
 
         async def one(i: int) -> None:
             req = reqs[i]
             delay = start + req.at - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
+            if req.after is not None and not ended[req.after].is_set():
+                waited = time.perf_counter()
+                await ended[req.after].wait()  # the turn this one continues has not answered yet
+                results[i]["held_back"] = time.perf_counter() - waited
+            try:
+                await send(i, req)
+            finally:
+                ended[i].set()
+
+        async def send(i: int, req: wl.Req) -> None:
             h = {"Content-Type": "application/json", **headers}
             if req.session:
                 h["x-session-id"] = req.session
@@ -582,6 +593,13 @@ def main(argv: list[str]) -> int:
                 procs.stop(proc)
                 s = summarize(results, before, after, ceil["ceiling"])
                 s["timed_ceiling"] = wl.timed_ceiling(reqs, results, BLOCK)
+                held_back = sorted(r["held_back"] for r in results if "held_back" in r)
+                s["held_back"] = len(held_back)
+                if held_back:
+                    log(
+                        f"{name:<12} {policy:<24} {len(held_back)} turns waited for the turn they continue "
+                        f"(median {held_back[len(held_back) // 2] * 1000:.0f} ms)"
+                    )
                 rows[(name, policy)] = s
                 if args.decision_log and not policy.startswith("vllm-router"):
                     log(f"{name:<12} {policy:<24} decisions: {decision_summary(f'routing-router-{tag}')}")
@@ -632,11 +650,14 @@ def report(args, argv, rows, meta, policies, loads) -> str:
         "engine caches reset before every policy. vllm-router 0.1.17 `--policy cache_aware` (defaults) on the same engines.",
         f"- Requests: streamed /v1/completions, `prompt` = token ids (each trace hash id -> a fixed block of 512 ids in "
         f"[100, 4000)), prompts capped at {MAX_IDS} ids ({MAX_IDS * 512:,} tokens), `max_tokens` = "
-        f"min(trace output, {MAX_OUTPUT}); open loop at the scaled timestamps, one connection per request.",
+        f"min(trace output, {MAX_OUTPUT}); open loop at the scaled timestamps, one connection per request, "
+        "except that a trace request continuing an earlier turn of its conversation (that turn's full blocks start "
+        "its prompt) is not sent before that turn ended, as no client could.",
         "- Timed ceiling: the ceiling recomputed from this run's own timings: a request's blocks count as cached "
         "only from its first token on (send time + TTFT), and a request looks up at its send time. It removes "
         "the reuse that no router can get because a turn or sub-agent arrives while the prompt it extends is still "
-        "queued or prefilling (the replay compresses the traces' time).",
+        "queued or prefilling (sub-agents of a burst; trace requests sharing a prefix without continuing one "
+        "another).",
         f"- Our router at commit {git_head()}.",
     ]
     for name, m in meta.items():
@@ -649,7 +670,7 @@ def report(args, argv, rows, meta, policies, loads) -> str:
             desc = (
                 f"{m['kept']} of {m['trace_requests']:,} requests (whole conversations: root id bucket 0 of "
                 f"{m['modulus']}), {m['kept_span_s']:.0f} s of trace compressed {m['time_scale']:.0f}x into "
-                f"{m['span']:.0f} s"
+                f"{m['span']:.0f} s; {m['continued']} continue an earlier turn"
             )
         lines.append(
             f"- {name}: {desc}; mean prompt {m['prompt_tokens'] / m['n']:,.0f} tokens; ceiling (one infinite "

@@ -33,6 +33,7 @@ class Req:
     max_tokens: int
     session: str | None = None
     tags: dict = field(default_factory=dict)
+    after: int | None = None  # index of the request this one continues: it is not sent before that one ended
 
 
 _BLOCKS: dict[int, list[int]] = {}
@@ -91,6 +92,13 @@ def trace_subset(
                 max_tokens=max(1, min(max_output, r["output_length"])),
             )
         )
+    link_turns(
+        reqs,
+        [
+            r["hash_ids"][:max_ids].index(root(r)) if root(r) in r["hash_ids"][:max_ids] else None
+            for r in kept
+        ],
+    )
     info = {
         "trace_requests": len(rows),
         "trace_span_s": (rows[-1]["timestamp"] - rows[0]["timestamp"]) / 1000,
@@ -98,8 +106,28 @@ def trace_subset(
         "modulus": modulus,
         "time_scale": scale,
         "kept_span_s": span / 1000,
+        "continued": sum(r.after is not None for r in reqs),
     }
     return reqs, info
+
+
+def link_turns(reqs: list[Req], root_positions: list[int | None]) -> None:
+    """Make each request wait for the turn it continues: the latest earlier request of the same conversation
+    whose full blocks (all its ids but the last, which may cover a partial block) start its own ids (a
+    conversation's next turn carries the previous answer, so a client cannot send it before that answer arrived,
+    however much the replay compresses time). Prefixes shorter than the conversation's root (its first id that
+    few requests share) do not count: a common system prompt does not make two conversations one."""
+    latest: dict[tuple[int, ...], int] = {}
+    for index, (req, root_at) in enumerate(zip(reqs, root_positions, strict=True)):
+        if root_at is not None:
+            for k in range(len(req.ids), root_at, -1):
+                parent = latest.get(tuple(req.ids[:k]))
+                if parent is not None:
+                    req.after = parent
+                    break
+        latest[tuple(req.ids)] = index
+        if root_at is not None and len(req.ids) - 1 > root_at:
+            latest[tuple(req.ids[:-1])] = index
 
 
 def agentic(sessions: int, duration_s: float, max_output: int, seed: int = 7) -> tuple[list[Req], dict]:
