@@ -29,7 +29,15 @@ from .dialects import ANTHROPIC, OPENAI, RESPONSES, Dialect, Usage
 from .disagg import decode_body, plan_disaggregated, plan_peer_pull, prefill_body
 from .finisher import Finisher
 from .load_scraper import LOAD_KEY
-from .pipeline import PREFILL_ROLES, RECENT_WINDOW_S, Candidate, EndpointLoad, Pipeline, RequestContext
+from .pipeline import (
+    PREFILL_ROLES,
+    RECENT_WINDOW_S,
+    Candidate,
+    EndpointLoad,
+    Pipeline,
+    RequestContext,
+    request_weight,
+)
 from .prefix import PrefixRouting
 from .state import DeploymentInfo, EndpointInfo, KeyInfo, Snapshot, load_snapshot
 
@@ -487,8 +495,10 @@ class Exchange:
             self.endpoint_url, self.endpoint_name = endpoint.url, endpoint.name
             body = await self._prefill_elsewhere(candidate, candidates)
             load = self.router.loads.setdefault(endpoint.id, EndpointLoad())
+            weight = request_weight(self.ctx.prompt_tokens_estimate, self.predicted_cached)
             load.active += 1
-            load.assigned(time.monotonic(), RECENT_WINDOW_S)
+            load.work += weight
+            load.assigned(time.monotonic(), RECENT_WINDOW_S, weight)
             try:
                 if await self._try(endpoint.url, body):
                     return
@@ -499,6 +509,7 @@ class Exchange:
                 metrics.of(metrics.errors, self.model, "connect").inc()
             finally:
                 load.active -= 1
+                load.work -= weight
         self.http_status = 503 if not tried else 502
         metrics.of(metrics.errors, self.model, "unavailable").inc()
         await _respond(
@@ -538,6 +549,7 @@ class Exchange:
         headers = {"content-type": "application/json", "x-request-id": self.request_id}
         load = self.router.loads.setdefault(endpoint.id, EndpointLoad())
         load.active += 1
+        load.work += 1.0
         try:
             async with self.router.session.post(
                 endpoint.url + self.scope["path"], data=prefill_body(self.payload), headers=headers
@@ -551,6 +563,7 @@ class Exchange:
             return None
         finally:
             load.active -= 1
+            load.work -= 1.0
         params = answer.get("kv_transfer_params")
         if not isinstance(params, dict) or not params.get("do_remote_prefill"):
             return None

@@ -39,12 +39,13 @@ class EndpointLoad:
     running: float = 0.0  # from the engine's /metrics
     waiting: float = 0.0
     kv_usage: float = 0.0
+    work: float = 0.0  # requests in flight there, each weighed by the prefill it brings (request_weight)
     _recent: float = 0.0
     _recent_at: float = 0.0
 
-    def assigned(self, now: float, window_s: float) -> None:
-        """Count a request sent there; the count decays with time constant `window_s`."""
-        self._recent = self.recent(now, window_s) + 1.0
+    def assigned(self, now: float, window_s: float, weight: float = 1.0) -> None:
+        """Count a request sent there, by its weight; the count decays with time constant `window_s`."""
+        self._recent = self.recent(now, window_s) + weight
         self._recent_at = now
 
     def recent(self, now: float, window_s: float) -> float:
@@ -156,14 +157,25 @@ class SessionAffinityScorer:
 
 
 RECENT_WINDOW_S = 5.0
+CACHED_REQUEST_WEIGHT = 0.25
+
+
+def request_weight(prompt_tokens: int, cached_tokens: int) -> float:
+    """What a request adds to an engine's load, for the load guard: a whole unit when its prompt must be
+    computed there, a quarter (its decode slot and the prefill's fixed cost) when the engine holds all of it. A
+    burst of sub-agents sharing a held context is light work for its holder and should not push it away."""
+    if prompt_tokens <= 0:
+        return 1.0
+    uncached = max(0.0, 1.0 - cached_tokens / prompt_tokens)
+    return CACHED_REQUEST_WEIGHT + (1.0 - CACHED_REQUEST_WEIGHT) * uncached
 
 
 def load_guard(candidates: list[Candidate], ratio: float) -> None:
     """Keep affinity from piling everything on one engine: an engine loaded beyond `ratio` times the mean
     (plus one request of slack) loses its prefix and session scores. Load is what is in flight or queued
-    there plus what was sent there lately."""
+    there plus what was sent there lately, each request of this replica weighed by the prefill it brings."""
     now = time.monotonic()
-    loads = [c.load.active + c.load.waiting + c.load.recent(now, RECENT_WINDOW_S) for c in candidates]
+    loads = [c.load.work + c.load.waiting + c.load.recent(now, RECENT_WINDOW_S) for c in candidates]
     mean = sum(loads) / len(loads)
     for candidate, load in zip(candidates, loads, strict=True):
         # Only an engine with work in hand now is guarded: a lone conversation's quick turns on an idle fleet

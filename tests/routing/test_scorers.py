@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 
-from routing.pipeline import EndpointLoad, Pipeline, RequestContext, distinct_shares
+from routing.pipeline import (
+    RECENT_WINDOW_S,
+    EndpointLoad,
+    Pipeline,
+    RequestContext,
+    distinct_shares,
+    request_weight,
+)
 from routing.prefix_index import Held
 from routing.state import DeploymentInfo, EndpointInfo, PolicyInfo
 
@@ -55,3 +63,28 @@ def test_a_deep_queue_outweighs_a_cached_prefix():
     ctx = RequestContext(model="tiny", block_keys=["k"] * 100, block_count=100, held={0: Held(gpu=45)})
     pick, _ = Pipeline().choose(dep, ctx, loads)
     assert pick.endpoint.id != 0
+
+
+def test_the_load_guard_weighs_requests_by_the_prefill_they_bring():
+    assert request_weight(1000, 0) == 1.0
+    assert request_weight(1000, 1000) == 0.25
+    assert request_weight(0, 0) == 1.0
+
+    def guarded_after(weight: float) -> bool:
+        dep = deployment(4)
+        loads = {i: EndpointLoad() for i in range(4)}
+        for i in range(1, 4):  # the other engines each compute one fresh prompt
+            loads[i].active, loads[i].work = 1, 1.0
+            loads[i].assigned(time.monotonic(), RECENT_WINDOW_S, 1.0)
+        for _ in range(4):  # four requests in flight on the holder, each of `weight`
+            loads[0].active += 1
+            loads[0].work += weight
+            loads[0].assigned(time.monotonic(), RECENT_WINDOW_S, weight)
+        ctx = RequestContext(model="tiny", block_keys=["k"] * 100, block_count=100, held={0: Held(gpu=90)})
+        pick, candidates = Pipeline().choose(dep, ctx, loads)
+        return candidates[0].guarded
+
+    assert guarded_after(1.0)  # four fresh prompts: the holder is overloaded, its affinity is dropped
+    assert not guarded_after(
+        request_weight(9000, 8500)
+    )  # four sub-agents it holds the context of: light work
