@@ -244,6 +244,8 @@ ROUTER_APPROX_BLOCKS_PER_ENDPOINT = env_int("ROUTER_APPROX_BLOCKS_PER_ENDPOINT",
 ROUTER_DECISION_LOG_SAMPLE = float(env_secret("ROUTER_DECISION_LOG_SAMPLE") or 0.01)
 ROUTER_REDIS_MAX_CONNECTIONS = env_int("ROUTER_REDIS_MAX_CONNECTIONS", 256)
 ROUTER_CONNECT_TIMEOUT = float(env_secret("ROUTER_CONNECT_TIMEOUT") or 2.0)
+# Net new container objects between two young-generation garbage collections (Python's default is 700).
+ROUTER_GC_THRESHOLD = env_int("ROUTER_GC_THRESHOLD", 50_000)
 
 # Usage metering: the router's events stream through Redis into the ledger (tenants/usage_stream.py).
 USAGE_STREAM = env_secret("USAGE_STREAM") or "usage:events"

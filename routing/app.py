@@ -117,7 +117,7 @@ class Router:
                 # come less often: fewer pauses in the middle of streams.
                 gc.collect()
                 gc.freeze()
-                gc.set_threshold(50_000, 20, 20)
+                gc.set_threshold(settings.ROUTER_GC_THRESHOLD, 20, 20)
                 self._refresher = asyncio.get_running_loop().create_task(self._refresh_forever())
                 self._started.set_result(True)
             except BaseException as exc:
@@ -341,7 +341,12 @@ class Router:
         try:
             await exchange.run()
         finally:
-            await asyncio.shield(complete())
+            try:
+                await asyncio.shield(complete())
+            finally:
+                # Break the exchange <-> closure cycle, so the request's objects go by reference counting
+                # rather than in a garbage collection that stalls every stream in flight.
+                exchange.complete = _nothing
 
     async def _finish(self, exchange: Exchange, reservation, usage: Usage, spend: int) -> None:
         try:

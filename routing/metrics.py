@@ -2,7 +2,7 @@
 
 import functools
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, GCCollector, Histogram, ProcessCollector
 
 LATENCY_BUCKETS = (
     0.0005,
@@ -27,6 +27,10 @@ LATENCY_BUCKETS = (
 ADDED_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 
 registry = CollectorRegistry()
+# The process's CPU and memory, and its garbage collections: objects the collector has to free are request
+# objects caught in reference cycles, and each collection pauses every stream in flight.
+ProcessCollector(registry=registry)
+GCCollector(registry=registry)
 requests = Counter(
     "router_requests",
     "Requests by model, endpoint and HTTP status.",
