@@ -24,7 +24,6 @@ An entry that can never be written goes to the dead-letter stream (`USAGE_DEAD_L
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import logging
@@ -106,7 +105,7 @@ class UsageEvent:
     def encode(self) -> str:
         if self.created_at.tzinfo is None:
             raise ValueError("created_at must be an aware datetime")
-        data = dataclasses.asdict(self)
+        data = {name: getattr(self, name) for name in self.__slots__}  # flat: no deep copy as asdict makes
         data["created_at"] = self.created_at.astimezone(UTC).isoformat()
         return json.dumps(data, separators=(",", ":"))
 

@@ -209,7 +209,7 @@ def test_requests_leave_no_garbage_for_the_collector(transactional_db, sim_pair)
     """A request's objects go by reference counting. Objects caught in reference cycles wait for a collection,
     and a collection with tens of thousands of them stalls every stream in flight for tens of ms. This router
     collects often (a low threshold), so a leftover cycle per request shows in what the collections free."""
-    router = start_router({"ROUTER_GC_THRESHOLD": "700"})
+    router = start_router({"ROUTER_GC_THRESHOLD": "300"})
     try:
         fleet = make_fleet(router, sim_pair)
         with httpx.Client(timeout=60, headers={"authorization": f"Bearer {fleet.key.secret}"}) as client:
@@ -235,5 +235,6 @@ def test_requests_leave_no_garbage_for_the_collector(transactional_db, sim_pair)
             collections, collected = gc_counts(router)
     finally:
         router.stop()
-    assert collections > collections_before, "no collection ran: the test proves nothing"
-    assert (collected - collected_before) / count < 2, (collected - collected_before, count)
+    # No collection at all means fewer than 300 objects outlived 300 requests; otherwise what the collections
+    # freed is what cycles left behind.
+    assert (collected - collected_before) / count < 2, (collected - collected_before, count, collections)
