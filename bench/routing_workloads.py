@@ -92,13 +92,8 @@ def trace_subset(
                 max_tokens=max(1, min(max_output, r["output_length"])),
             )
         )
-    link_turns(
-        reqs,
-        [
-            r["hash_ids"][:max_ids].index(root(r)) if root(r) in r["hash_ids"][:max_ids] else None
-            for r in kept
-        ],
-    )
+    roots = [root(r) for r in kept]
+    link_turns(reqs, [req.ids.index(i) if i in req.ids else None for req, i in zip(reqs, roots, strict=True)])
     info = {
         "trace_requests": len(rows),
         "trace_span_s": (rows[-1]["timestamp"] - rows[0]["timestamp"]) / 1000,

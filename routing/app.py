@@ -501,8 +501,7 @@ class Exchange:
             body = await self._prefill_elsewhere(candidate, candidates)
             load = self.router.loads.setdefault(endpoint.id, EndpointLoad())
             weight = request_weight(self.ctx.prompt_tokens_estimate, self.predicted_cached)
-            load.active += 1
-            load.work += weight
+            load.begin(weight)
             load.assigned(time.monotonic(), RECENT_WINDOW_S, weight)
             try:
                 if await self._try(endpoint.url, body):
@@ -513,8 +512,7 @@ class Exchange:
                 log.warning("request %s: %s (%s)", self.request_id, last_error, exc)
                 metrics.of(metrics.errors, self.model, "connect").inc()
             finally:
-                load.active -= 1
-                load.work -= weight
+                load.end(weight)
         self.http_status = 503 if not tried else 502
         metrics.of(metrics.errors, self.model, "unavailable").inc()
         await _respond(
@@ -553,8 +551,7 @@ class Exchange:
     async def _prefill_leg(self, endpoint: EndpointInfo) -> dict | None:
         headers = {"content-type": "application/json", "x-request-id": self.request_id}
         load = self.router.loads.setdefault(endpoint.id, EndpointLoad())
-        load.active += 1
-        load.work += 1.0
+        load.begin()
         try:
             async with self.router.session.post(
                 endpoint.url + self.scope["path"], data=prefill_body(self.payload), headers=headers
@@ -567,8 +564,7 @@ class Exchange:
             log.info("prefill leg on %s failed (%s); the decode engine prefills itself", endpoint.name, exc)
             return None
         finally:
-            load.active -= 1
-            load.work -= 1.0
+            load.end()
         params = answer.get("kv_transfer_params")
         if not isinstance(params, dict) or not params.get("do_remote_prefill"):
             return None

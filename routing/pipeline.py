@@ -43,6 +43,15 @@ class EndpointLoad:
     _recent: float = 0.0
     _recent_at: float = 0.0
 
+    def begin(self, weight: float = 1.0) -> None:
+        """A request of this replica starts there (weight: request_weight)."""
+        self.active += 1
+        self.work += weight
+
+    def end(self, weight: float = 1.0) -> None:
+        self.active -= 1
+        self.work -= weight
+
     def assigned(self, now: float, window_s: float, weight: float = 1.0) -> None:
         """Count a request sent there, by its weight; the count decays with time constant `window_s`."""
         self._recent = self.recent(now, window_s) + weight

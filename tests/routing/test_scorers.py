@@ -74,17 +74,15 @@ def test_the_load_guard_weighs_requests_by_the_prefill_they_bring():
         dep = deployment(4)
         loads = {i: EndpointLoad() for i in range(4)}
         for i in range(1, 4):  # the other engines each compute one fresh prompt
-            loads[i].active, loads[i].work = 1, 1.0
-            loads[i].assigned(time.monotonic(), RECENT_WINDOW_S, 1.0)
+            loads[i].begin()
+            loads[i].assigned(time.monotonic(), RECENT_WINDOW_S)
         for _ in range(4):  # four requests in flight on the holder, each of `weight`
-            loads[0].active += 1
-            loads[0].work += weight
+            loads[0].begin(weight)
             loads[0].assigned(time.monotonic(), RECENT_WINDOW_S, weight)
         ctx = RequestContext(model="tiny", block_keys=["k"] * 100, block_count=100, held={0: Held(gpu=90)})
         pick, candidates = Pipeline().choose(dep, ctx, loads)
         return candidates[0].guarded
 
     assert guarded_after(1.0)  # four fresh prompts: the holder is overloaded, its affinity is dropped
-    assert not guarded_after(
-        request_weight(9000, 8500)
-    )  # four sub-agents it holds the context of: light work
+    # Four sub-agents whose context the holder has: light work, it keeps them.
+    assert not guarded_after(request_weight(9000, 8500))
