@@ -21,6 +21,7 @@ from .usage import usage_events
 
 LONG = "Here is the whole repository listing and the failing test output. " * 40  # ~600 tokens
 SHORT = "hi"
+HOGS = 8  # requests in flight on the prefix holder: well past the load guard at ratio 1
 
 
 def pd_fleet(
@@ -153,7 +154,7 @@ def test_a_busy_prefix_holder_serves_a_peer_pull(router_process):
     ]
     engines = [start_engine("sim", *timing, nixl_role="kv_both") for _ in range(2)]
     try:
-        peer_pull_scenario(router_process, engines, hog_tokens=80)
+        peer_pull_scenario(router_process, engines, hog_tokens=2000)
     finally:
         for engine in engines:
             engine.stop()
@@ -166,7 +167,7 @@ def test_a_busy_prefix_holder_serves_a_peer_pull_on_real_vllm(router_process):
     try:
         for engine in engines:
             wait_healthy(engine, 600)
-        peer_pull_scenario(router_process, engines, hog_tokens=300)
+        peer_pull_scenario(router_process, engines, hog_tokens=3000)
     finally:
         for engine in engines:
             engine.stop()
@@ -203,40 +204,51 @@ def peer_pull_scenario(router_process, engines, hog_tokens: int) -> None:
         finally:
             connection.close()  # this thread's own database connection
 
+    async def hog(client, headers, started: asyncio.Event) -> None:
+        """A long stream on the holder that shares its prefix (so it stays there), open until cancelled."""
+        async with client.stream(
+            "POST",
+            f"{fleet.router.url}/v1/chat/completions",
+            headers=headers,
+            json={
+                "model": MODEL_NAME,
+                "max_tokens": hog_tokens,
+                "ignore_eos": True,
+                "stream": True,
+                "messages": [{"role": "user", "content": LONG}],
+            },
+        ) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    started.set()
+
     async def busy_then_pull():
         async with httpx.AsyncClient(timeout=300) as client:
             headers = {"authorization": f"Bearer {fleet.key.secret}"}
-            # Keep the holder busy with requests that share the prefix (so they stay there).
+            # Keep the holder busy: each hog is streaming before the next starts, and all of them are still
+            # in flight when the sub-agent's request comes (they are cancelled after it).
             hogs = []
-            for _ in range(3):
-                hogs.append(
-                    asyncio.create_task(
-                        client.post(
-                            f"{fleet.router.url}/v1/chat/completions",
-                            headers=headers,
-                            json={
-                                "model": MODEL_NAME,
-                                "max_tokens": hog_tokens,
-                                "ignore_eos": True,
-                                "messages": [{"role": "user", "content": LONG}],
-                            },
-                        )
-                    )
+            for _ in range(HOGS):
+                started = asyncio.Event()
+                hogs.append(asyncio.create_task(hog(client, headers, started)))
+                await asyncio.wait_for(started.wait(), 120)
+            try:
+                await asyncio.to_thread(tighten_the_guard)
+                assert not any(task.done() for task in hogs), "a hog ended before the sub-agent's request"
+                return await client.post(
+                    f"{fleet.router.url}/v1/chat/completions",
+                    headers=headers,
+                    json={
+                        "model": MODEL_NAME,
+                        "max_tokens": 3,
+                        "ignore_eos": True,
+                        "messages": [{"role": "user", "content": LONG + " Now the sub-agent's question."}],
+                    },
                 )
-                await asyncio.sleep(0.1)
-            await asyncio.to_thread(tighten_the_guard)
-            reply = await client.post(
-                f"{fleet.router.url}/v1/chat/completions",
-                headers=headers,
-                json={
-                    "model": MODEL_NAME,
-                    "max_tokens": 3,
-                    "ignore_eos": True,
-                    "messages": [{"role": "user", "content": LONG + " Now the sub-agent's question."}],
-                },
-            )
-            await asyncio.gather(*hogs)
-            return reply
+            finally:
+                for task in hogs:
+                    task.cancel()
+                await asyncio.gather(*hogs, return_exceptions=True)
 
     reply = asyncio.run(busy_then_pull())
     assert reply.status_code == 200
