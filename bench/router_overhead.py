@@ -445,12 +445,16 @@ def start_replay(procs: Processes, body: bytes) -> tuple[subprocess.Popen, int]:
     return proc, port
 
 
-def start_router(procs: Processes, env: dict) -> tuple[subprocess.Popen, int]:
+def start_router(
+    procs: Processes, env: dict, source: Path = ROOT, name: str = "router"
+) -> tuple[subprocess.Popen, int]:
+    """Our router, from this checkout or from `source` (a worktree of another commit, for --baseline)."""
     port = free_port()
     argv = [PYTHON, "-m", "uvicorn", "inference_platform.asgi:application", "--host", "127.0.0.1"]
     argv += ["--port", str(port), "--loop", "uvloop", "--http", "httptools", "--no-access-log"]
     argv += ["--workers", "1", "--log-level", "warning"]
-    proc = procs.start("router", argv, core=GATEWAY_CORE, env=env)
+    env = {**env, "PYTHONPATH": str(source)}
+    proc = procs.start(name, argv, core=GATEWAY_CORE, env=env, cwd=source)
     wait_until(lambda: http_get(port, "/health") == 200, proc, "router", 120)
     return proc, port
 
@@ -786,6 +790,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--skip-peers", action="store_true", help="only direct and our router")
     p.add_argument(
+        "--baseline",
+        metavar="REV",
+        help="also measure our router (no quota) at this commit, from a worktree, in the same rounds",
+    )
+    p.add_argument(
         "--profile",
         choices=("auto", "always", "never"),
         default="auto",
@@ -802,6 +811,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
+
+
+def baseline_worktree(rev: str) -> Path:
+    """A detached worktree of `rev` under .local/bench/, made afresh, whose router runs beside this one."""
+    path = STATE / "baseline"
+    if path.exists():
+        subprocess.run(["git", "worktree", "remove", "--force", str(path)], cwd=ROOT, check=False)
+        shutil.rmtree(path, ignore_errors=True)
+    subprocess.run(["git", "worktree", "prune"], cwd=ROOT, check=True)
+    subprocess.run(["git", "worktree", "add", "--detach", str(path), rev], cwd=ROOT, check=True)
+    return path
 
 
 def main(argv: list[str]) -> int:
@@ -870,6 +890,17 @@ def main(argv: list[str]) -> int:
                 "ours, team quota", router_port, {"Authorization": f"Bearer {keys['quota']}"}, router_proc
             ),
         ]
+        if args.baseline:
+            source = baseline_worktree(args.baseline)
+            base_proc, base_port = start_router(procs, env, source, "router-baseline")
+            gateways.append(
+                Gateway(
+                    f"ours @ {args.baseline}, no quota",
+                    base_port,
+                    {"Authorization": f"Bearer {keys['free']}"},
+                    base_proc,
+                )
+            )
         for gw in gateways:
             smoke(gw, body, 30)
 

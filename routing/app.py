@@ -11,8 +11,8 @@ import asyncio
 import gc
 import hmac
 import logging
+import os
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 
@@ -253,7 +253,7 @@ class Router:
     # --- generation -------------------------------------------------------------------------------------
     async def generate(self, scope: dict, receive: Receive, send: Send, dialect: Dialect) -> None:
         started = time.perf_counter()
-        request_id = uuid.uuid4().hex
+        request_id = os.urandom(16).hex()
         try:
             key = self.authenticate(scope, dialect)
             body = await _read_body(receive, self.max_body)
@@ -276,14 +276,20 @@ class Router:
             body = orjson.dumps(payload)
 
         snapshot = self.snapshot
-        prices = snapshot.prices_for(deployment.served_model_name, key.tenant_id, datetime.now(UTC))
+        team_quota, key_quota = snapshot.team_quotas.get(key.team_id), snapshot.key_quotas.get(key.id)
+        # Priced here only under a quota (for spend budgets); the ledger prices every request when it ingests it.
+        prices = (
+            snapshot.prices_for(deployment.served_model_name, key.tenant_id, datetime.now(UTC))
+            if team_quota is not None or key_quota is not None
+            else None
+        )
         try:
             decision = await self.admission.admit(
                 request_id=request_id,
                 team_id=key.team_id,
                 key_id=key.id,
-                team_quota=snapshot.team_quotas.get(key.team_id),
-                key_quota=snapshot.key_quotas.get(key.id),
+                team_quota=team_quota,
+                key_quota=key_quota,
                 input_reserve=input_bound,
                 output_reserve=output_bound,
                 spend_reserve=cost_units(prices, input_bound, 0, output_bound),
@@ -612,11 +618,16 @@ class Exchange:
         try:
             async for chunk in resp.content.iter_any():
                 buffer += chunk
-                if b"\n\n" not in buffer:
+                end = buffer.rfind(b"\n\n") + 2
+                if end < 2:
                     continue
-                *events, buffer = buffer.split(b"\n\n")
+                whole, buffer = buffer[:end], buffer[end:]
+                plain = self.dialect.plain_prefix(whole)
                 out = []
-                for event in events:
+                if plain:
+                    self.streamed_events += whole.count(self.dialect.CONTENT_MARKER, 0, plain)
+                    out.append(whole[:plain])
+                for event in whole[plain:-2].split(b"\n\n") if plain < end else ():
                     usage = self.dialect.usage_from_event(event)
                     if usage is not None:
                         self.usage = usage

@@ -42,6 +42,11 @@ class Usage:
 
 class Dialect:
     name = "openai"
+    # Events that carry usage or end the stream contain one of these; a run of events before the first of them
+    # is passed on whole, its content events counted with CONTENT_MARKER (once in each content event's JSON; a
+    # string inside the JSON cannot hold it, since its quotes are escaped there). None: look at every event.
+    SPECIAL_MARKERS: tuple[bytes, ...] | None = (b'"usage"', b"[DONE]")
+    CONTENT_MARKER = b'"choices":[{'
 
     def error_body(
         self, status: int, message: str, param: str | None = None, code: str | None = None
@@ -83,12 +88,28 @@ class Dialect:
     def is_content_event(self, event: bytes) -> bool:
         return event.startswith(b"data: {") and b'"choices":[{' in event
 
+    def plain_prefix(self, events: bytes) -> int:
+        """The length of the leading run of whole events (`events` ends with one) that carry neither usage nor
+        the end of the stream, so they can be relayed without looking at each one."""
+        if self.SPECIAL_MARKERS is None:
+            return 0
+        cut = len(events)
+        for marker in self.SPECIAL_MARKERS:
+            at = events.find(marker, 0, cut)
+            if at >= 0:
+                cut = at
+        if cut == len(events):
+            return cut
+        boundary = events.rfind(b"\n\n", 0, cut)
+        return boundary + 2 if boundary >= 0 else 0
+
     def is_terminal_event(self, event: bytes) -> bool:
         return event.startswith(b"data: [DONE]")
 
 
 class AnthropicDialect(Dialect):
     name = "anthropic"
+    SPECIAL_MARKERS = None
 
     def error_body(
         self, status: int, message: str, param: str | None = None, code: str | None = None
@@ -130,6 +151,7 @@ class ResponsesDialect(Dialect):
     """OpenAI's Responses API: usage arrives in `response.completed`."""
 
     name = "responses"
+    SPECIAL_MARKERS = None
 
     def usage_from_body(self, body: dict) -> Usage:
         usage = (body.get("response") or body).get("usage") or {}
