@@ -16,7 +16,6 @@ import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 
-import aiohttp
 import orjson
 from asgiref.sync import sync_to_async
 from django.conf import settings
@@ -40,6 +39,7 @@ from .pipeline import (
 )
 from .prefix import PrefixRouting
 from .state import DeploymentInfo, EndpointInfo, KeyInfo, Snapshot, load_snapshot
+from .upstream import Response, UpstreamError, UpstreamPool
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class Router:
         self.prefix: PrefixRouting | None = None
         self.redis = None
         self.admission: Admission | None = None
-        self.session: aiohttp.ClientSession | None = None
+        self.upstream: UpstreamPool | None = None
         self._started: asyncio.Future | None = None
         self._refresher: asyncio.Task | None = None
         self._snapshot_at = 0.0
@@ -107,11 +107,7 @@ class Router:
                 self.admission = Admission(self.redis)
                 self.prefix = PrefixRouting(self.redis)
                 self.finisher = Finisher(self.redis, self.admission)
-                self.session = aiohttp.ClientSession(
-                    connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
-                    timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout),
-                    auto_decompress=False,
-                )
+                self.upstream = UpstreamPool(self.connect_timeout)
                 await self.refresh(force=True)
                 # The long-lived objects made at start-up stay out of every later collection, and collections
                 # come less often: fewer pauses in the middle of streams.
@@ -130,8 +126,8 @@ class Router:
     async def stop(self) -> None:
         if self._refresher:
             self._refresher.cancel()
-        if self.session:
-            await self.session.close()
+        if self.upstream:
+            self.upstream.close()
         if self.redis:
             await self.redis.aclose()
 
@@ -513,7 +509,7 @@ class Exchange:
                 if await self._try(endpoint.url, body):
                     return
                 last_error = f"engine {endpoint.name} answered {self.http_status}"
-            except (TimeoutError, aiohttp.ClientConnectionError) as exc:
+            except UpstreamError as exc:
                 last_error = f"could not reach engine {endpoint.name}: {exc.__class__.__name__}"
                 log.warning("request %s: %s (%s)", self.request_id, last_error, exc)
                 metrics.of(metrics.errors, self.model, "connect").inc()
@@ -555,18 +551,17 @@ class Exchange:
         return decode_body(self.payload, params)
 
     async def _prefill_leg(self, endpoint: EndpointInfo) -> dict | None:
-        headers = {"content-type": "application/json", "x-request-id": self.request_id}
         load = self.router.loads.setdefault(endpoint.id, EndpointLoad())
         load.begin()
         try:
-            async with self.router.session.post(
-                endpoint.url + self.scope["path"], data=prefill_body(self.payload), headers=headers
+            async with self.router.upstream.post(
+                endpoint.url + self.scope["path"], prefill_body(self.payload), self._upstream_headers()
             ) as resp:
                 if resp.status != 200:
                     await resp.read()
                     return None
                 answer = orjson.loads(await resp.read())
-        except (TimeoutError, aiohttp.ClientError, orjson.JSONDecodeError) as exc:
+        except (UpstreamError, orjson.JSONDecodeError) as exc:
             log.info("prefill leg on %s failed (%s); the decode engine prefills itself", endpoint.name, exc)
             return None
         finally:
@@ -580,10 +575,9 @@ class Exchange:
 
     async def _try(self, base_url: str, body: bytes) -> bool:
         """One attempt. False means: failed before anything reached the client, so another engine may serve it."""
-        headers = {"content-type": "application/json", "x-request-id": self.request_id}
         sent_at = time.perf_counter()
-        async with self.router.session.post(
-            base_url + self.scope["path"], data=body, headers=headers
+        async with self.router.upstream.post(
+            base_url + self.scope["path"], body, self._upstream_headers()
         ) as resp:
             metrics.of(metrics.added, self.model).observe(sent_at - self.started)
             if resp.status >= 500:
@@ -598,7 +592,10 @@ class Exchange:
                 await self._relay_body(resp)
         return True
 
-    async def _relay_body(self, resp: aiohttp.ClientResponse) -> None:
+    def _upstream_headers(self) -> list[tuple[str, str]]:
+        return [("content-type", "application/json"), ("x-request-id", self.request_id)]
+
+    async def _relay_body(self, resp: Response) -> None:
         body = await resp.read()
         self._first_byte()
         if resp.status == 200:
@@ -610,13 +607,13 @@ class Exchange:
         await self.complete()
         await _respond(self.send, resp.status, body, self._response_headers(resp))
 
-    async def _relay_stream(self, resp: aiohttp.ClientResponse) -> None:
+    async def _relay_stream(self, resp: Response) -> None:
         await self.send(
             {"type": "http.response.start", "status": 200, "headers": self._response_headers(resp)}
         )
         buffer = b""
         try:
-            async for chunk in resp.content.iter_any():
+            async for chunk in resp.chunks():
                 buffer += chunk
                 end = buffer.rfind(b"\n\n") + 2
                 if end < 2:
@@ -642,7 +639,7 @@ class Exchange:
                 if out:
                     self._first_byte()
                     await self.send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
-        except (TimeoutError, aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+        except UpstreamError as exc:
             # The engine died mid-stream: tell the client in its dialect, bill what was streamed.
             metrics.of(metrics.errors, self.model, "midstream").inc()
             self.usage.output_tokens = max(self.usage.output_tokens, self.streamed_events)
@@ -674,8 +671,8 @@ class Exchange:
                 self.first_byte_at - self.started
             )
 
-    def _response_headers(self, resp: aiohttp.ClientResponse) -> list[tuple[bytes, bytes]]:
-        content_type = resp.headers.get("content-type", "application/json").encode()
+    def _response_headers(self, resp: Response) -> list[tuple[bytes, bytes]]:
+        content_type = resp.header(b"content-type", b"application/json")
         headers = [(b"content-type", content_type), (b"x-request-id", self.request_id.encode())]
         if self.stream:
             headers.append((b"cache-control", b"no-cache"))
