@@ -632,10 +632,16 @@ class Exchange:
                             continue
                     elif self.dialect.is_content_event(event):
                         self.streamed_events += 1
-                    out.append(event + b"\n\n")
                     if self.dialect.is_terminal_event(event):
+                        if out:  # what came before the end goes out now, not after the settlement
+                            self._first_byte()
+                            await self.send(
+                                {"type": "http.response.body", "body": b"".join(out), "more_body": True}
+                            )
+                            out = []
                         self.status = "completed"
                         await self.complete()
+                    out.append(event + b"\n\n")
                 if out:
                     self._first_byte()
                     await self.send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
