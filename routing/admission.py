@@ -10,6 +10,7 @@ reservations are upper bounds, concurrent requests can never push a budget over 
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from decimal import Decimal
@@ -194,11 +195,9 @@ class Admission:
         minute = int(now // 60)
         window_ttl = 60 - int(now % 60)
         args: list = [now, request_id, len(scopes)]
-        from datetime import UTC, datetime
-
         for kind, ident, quota in scopes:
-            start, end = period_bounds(quota.budget_period, datetime.fromtimestamp(now, UTC))
-            reservation.keys += self._scope_keys(kind, ident, quota, minute, int(start.timestamp()))
+            start, end = _period_of_minute(quota.budget_period, minute)
+            reservation.keys += self._scope_keys(kind, ident, quota, minute, start)
             args += [
                 _limit(quota.requests_per_minute),
                 _limit(quota.input_tokens_per_minute),
@@ -207,7 +206,7 @@ class Admission:
                 _limit(quota.token_budget),
                 money_units(quota.spend_budget) if quota.spend_budget is not None else -1,
                 window_ttl,
-                max(1, int(end.timestamp() - now)),
+                max(1, int(end - now)),
             ]
         args += [input_reserve, output_reserve, spend_reserve]
         result = await self._admit(keys=reservation.keys, args=args)
@@ -237,6 +236,16 @@ class Admission:
         """Queue the settlement on a pipeline (see routing/finisher.py); it runs when the pipeline executes."""
         args = [reservation.request_id, reservation.scopes, input_delta, output_delta, spend_delta]
         await self._settle(keys=reservation.keys, args=args, client=pipe)
+
+
+@functools.lru_cache(maxsize=64)
+def _period_of_minute(period: str, minute: int) -> tuple[int, int]:
+    """The budget period holding this minute (minutes since the epoch), as UTC timestamps. Periods start on a
+    minute boundary, so every moment of a minute is in the same period."""
+    from datetime import UTC, datetime
+
+    start, end = period_bounds(period, datetime.fromtimestamp(minute * 60, UTC))
+    return int(start.timestamp()), int(end.timestamp())
 
 
 def _limit(value) -> int:

@@ -38,6 +38,7 @@ from .pipeline import (
     request_weight,
 )
 from .prefix import PrefixRouting
+from .redis_pool import router_redis
 from .state import DeploymentInfo, EndpointInfo, KeyInfo, Snapshot, load_snapshot
 from .upstream import Response, UpstreamError, UpstreamPool
 
@@ -96,14 +97,7 @@ class Router:
         if self._started is None:
             self._started = asyncio.get_running_loop().create_future()
             try:
-                import redis.asyncio as aioredis
-
-                # Requests wait for a connection under load rather than fail.
-                self.redis = aioredis.Redis(
-                    connection_pool=aioredis.BlockingConnectionPool.from_url(
-                        settings.REDIS_URL, max_connections=settings.ROUTER_REDIS_MAX_CONNECTIONS, timeout=10
-                    )
-                )
+                self.redis = router_redis(settings.REDIS_URL, settings.ROUTER_REDIS_MAX_CONNECTIONS)
                 self.admission = Admission(self.redis)
                 self.prefix = PrefixRouting(self.redis)
                 self.finisher = Finisher(self.redis, self.admission)
