@@ -33,6 +33,7 @@ import os
 import platform
 import re
 import secrets
+import select
 import shutil
 import signal
 import socket
@@ -532,7 +533,10 @@ def smoke(gw: Gateway, body: bytes, timeout: float) -> None:
 class LoadGenerator:
     def __init__(self, procs: Processes):
         self.procs = procs
-        self.proc = procs.start(
+        self._start()
+
+    def _start(self) -> None:
+        self.proc = self.procs.start(
             "loadgen",
             [PYTHON, str(ROOT / "bench" / "loadgen.py")],
             core=CLIENT_CORE,
@@ -553,6 +557,22 @@ class LoadGenerator:
         }
         self.proc.stdin.write(json.dumps(job) + "\n")
         self.proc.stdin.flush()
+        # A point that never answers must not hang the whole run.
+        ready, _, _ = select.select([self.proc.stdout], [], [], warmup + duration + 60)
+        if not ready:
+            log(f"no answer from the load generator for {gw.name} at c={concurrency}; restarting it")
+            self.procs.stop(self.proc)
+            self._start()
+            why = "the load generator gave no answer for this point"
+            return {
+                "completed": 0,
+                "errors": 1,
+                "error_samples": [why],
+                "reconnects": 0,
+                "duration": duration,
+                "ttfb": [],
+                "total": [],
+            }
         line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError(f"the load generator died:\n{log_tail('loadgen')}")
