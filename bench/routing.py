@@ -236,7 +236,9 @@ def index_size(redis_client, deployment_id: int) -> int:
 # --- the replay ----------------------------------------------------------------------------------------------
 
 
-async def replay(port: int, headers: dict, reqs: list[wl.Req], bodies: list[bytes]) -> list[dict]:
+async def replay(ports: list[int], headers: dict, reqs: list[wl.Req], bodies: list[bytes]) -> list[dict]:
+    """Replay the requests open loop; request i goes to router replica i mod len(ports), as a load balancer
+    in front of several replicas spreads them."""
     import aiohttp
 
     results: list[dict] = [{} for _ in reqs]
@@ -271,7 +273,7 @@ async def replay(port: int, headers: dict, reqs: list[wl.Req], bodies: list[byte
             out["sent"] = sent - start
             try:
                 async with session.post(
-                    f"http://127.0.0.1:{port}/v1/completions", data=bodies[i], headers=h
+                    f"http://127.0.0.1:{ports[i % len(ports)]}/v1/completions", data=bodies[i], headers=h
                 ) as resp:
                     out["status"] = resp.status
                     first = None
@@ -433,6 +435,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="run our router from this checkout (to measure a router change without touching this tree)",
     )
     p.add_argument(
+        "--router-replicas",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run N replicas of each router (ours and vllm-router), requests spread over them in turn",
+    )
+    p.add_argument(
         "--decision-log",
         action="store_true",
         help="log every routing decision of our router and print where prefix blocks were given up",
@@ -498,6 +507,7 @@ def main(argv: list[str]) -> int:
     docs = Path(args.docs) if args.docs else (None if args.quick else ROOT / "docs" / "benchmarks.md")
     overrides = {k: float(v) for k, v in (item.split("=", 1) for item in args.set)}
     router_root = Path(args.router_root).resolve() if args.router_root else ROOT
+    replicas = args.router_replicas
     policies = [p for p in args.policies if not (args.skip_peer and p.startswith("vllm-router"))]
     procs = ro.Processes()
     signal.signal(signal.SIGTERM, _interrupt)
@@ -562,35 +572,45 @@ def main(argv: list[str]) -> int:
                     if peer_venv is None:
                         rows[(name, policy)] = {"skipped": peer_note}
                         continue
-                    proc, port = start_vllm_router(procs, peer_venv, engines, tag)
+                    replicas_up = [
+                        start_vllm_router(procs, peer_venv, engines, f"{tag}-{r}") for r in range(replicas)
+                    ]
                     headers = {}
                     try:
                         probe = bodies_for([wl.Req(0, [1], 300, 2)])[0]
-                        ro.wait_until(
-                            lambda p=port, b=probe: ro.http_post(p, "/v1/completions", b, {})[0] == 200,
-                            proc,
-                            f"routing-vllm-router-{tag}",
-                            60,
-                        )
+                        for r, (proc, port) in enumerate(replicas_up):
+                            ro.wait_until(
+                                lambda p=port, b=probe: ro.http_post(p, "/v1/completions", b, {})[0] == 200,
+                                proc,
+                                f"routing-vllm-router-{tag}-{r}",
+                                60,
+                            )
                         for engine in engines:  # the probe's blocks
                             engine.reset(time.monotonic() + 30)
                     except Exception as exc:  # noqa: BLE001 - a peer that does not run is skipped
-                        procs.stop(proc)
+                        for proc, _ in replicas_up:
+                            procs.stop(proc)
                         peer_note = f"did not start: {str(exc).splitlines()[0][:200]}"
                         peer_venv = None
                         rows[(name, policy)] = {"skipped": peer_note}
                         continue
                 else:
                     set_mode(deployment_id, policy, overrides)
-                    proc, port = start_router(procs, env, tag, router_root, args.decision_log)
+                    replicas_up = [
+                        start_router(
+                            procs, env, tag if r == 0 else f"{tag}-{r}", router_root, args.decision_log
+                        )
+                        for r in range(replicas)
+                    ]
                     headers = {"Authorization": f"Bearer {key}"}
                 before = [e.counters() for e in engines]
                 t0 = time.monotonic()
-                results = asyncio.run(replay(port, headers, reqs, bodies))
+                results = asyncio.run(replay([port for _, port in replicas_up], headers, reqs, bodies))
                 elapsed = time.monotonic() - t0
                 time.sleep(0.3)
                 after = [e.counters() for e in engines]
-                procs.stop(proc)
+                for proc, _ in replicas_up:
+                    procs.stop(proc)
                 s = summarize(results, before, after, ceil["ceiling"])
                 s["timed_ceiling"] = wl.timed_ceiling(reqs, results, BLOCK)
                 held_back = sorted(r["held_back"] for r in results if "held_back" in r)
@@ -634,6 +654,12 @@ def main(argv: list[str]) -> int:
 def report(args, argv, rows, meta, policies, loads) -> str:
     when = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     command = (".venv/bin/python bench/routing.py " + " ".join(argv)).strip()
+    routers = "one uvicorn worker"
+    if args.router_replicas > 1:
+        routers = (
+            f"{args.router_replicas} replicas of one uvicorn worker each, request i sent to replica i mod "
+            f"{args.router_replicas} (vllm-router likewise)"
+        )
     lines = [
         f"### {'Quick' if args.quick else 'Full'} run",
         "",
@@ -643,7 +669,7 @@ def report(args, argv, rows, meta, policies, loads) -> str:
         + ", ".join(f"`{k} {v}`" for k, v in SIM_TIMING.items())
         + f", `--max-model-len {MAX_MODEL_LEN}`, KV events with a replay socket; the KV-event ingester running; "
         "engines' /metrics scraped into Redis every second. Nothing pinned (2 cores shared by everything).",
-        f"- Router: one uvicorn worker, DEBUG off, policy defaults (prefix 3, queue 2, kv_utilization 1, "
+        f"- Router: {routers}, DEBUG off, policy defaults (prefix 3, queue 2, kv_utilization 1, "
         f"session 1, load guard 1.3){', overridden: ' + ' '.join(args.set) if args.set else ''}"
         f"{', from ' + args.router_root if args.router_root else ''}, "
         f"`ROUTER_APPROX_BLOCKS_PER_ENDPOINT={KV_BLOCKS}`; restarted for every policy; "
