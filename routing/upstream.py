@@ -203,7 +203,8 @@ class _Exchange:
 
     async def __aenter__(self) -> Response:
         host, port, path = self.pool.target(self.url)
-        head = [f"POST {path} HTTP/1.1\r\nhost: {host}:{port}\r\ncontent-length: {len(self.body)}\r\n"]
+        authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # an IPv6 address in brackets
+        head = [f"POST {path} HTTP/1.1\r\nhost: {authority}\r\ncontent-length: {len(self.body)}\r\n"]
         head += [f"{name}: {value}\r\n" for name, value in self.headers]
         data = "".join(head).encode("latin-1") + b"\r\n" + self.body
         connection, reused = await self.pool._get(host, port)

@@ -26,12 +26,12 @@ class Engine:
         app.router.add_post("/slow", self.slow)
         self.runner = web.AppRunner(app, keepalive_timeout=75)
 
-    async def start(self) -> str:
+    async def start(self, host: str = "127.0.0.1") -> str:
         await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        site = web.TCPSite(self.runner, host, 0)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]
-        return f"http://127.0.0.1:{port}"
+        return f"http://{'[' + host + ']' if ':' in host else host}:{port}"
 
     async def json(self, request: web.Request) -> web.Response:
         self.peers.append(request.transport.get_extra_info("peername"))
@@ -68,10 +68,10 @@ class Engine:
         return response
 
 
-def run(coroutine_function):
+def run(coroutine_function, host: str = "127.0.0.1"):
     async def main():
         engine = Engine()
-        base = await engine.start()
+        base = await engine.start(host)
         pool = UpstreamPool(connect_timeout=2)
         try:
             await coroutine_function(engine, base, pool)
@@ -197,3 +197,22 @@ def test_nothing_listening_is_a_connect_error():
                 pass
 
     run(check)
+
+
+def ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as sock:
+            sock.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback here")
+def test_an_engine_on_an_ipv6_address():
+    async def check(engine, base, pool):
+        assert base.startswith("http://[::1]:")
+        async with pool.post(f"{base}/json", b"{}", HEADERS) as response:
+            assert response.status == 200 and b'"ok": true' in await response.read()
+
+    run(check, host="::1")
