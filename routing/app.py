@@ -60,6 +60,29 @@ JSON_HEADERS = [(b"content-type", b"application/json")]
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
 
 
+REPLICA_LOAD_KEY = "endpoint:replica-load:{}"
+REPLICA_LOAD_TTL_S = 10
+REPLICA_LOAD_MAX_AGE_S = 3.0
+
+
+def others_load(published: dict, replica_id: str, now: float) -> tuple[float, int]:
+    """The other replicas' weighted load and requests in flight at an endpoint, from their fields in its hash
+    (`"<load> <in flight> <unix time>"`); a field older than REPLICA_LOAD_MAX_AGE_S is a replica gone."""
+    load, active = 0.0, 0
+    mine = replica_id.encode()
+    for field, value in published.items():
+        if field == mine:
+            continue
+        try:
+            weighted, in_flight, at = value.split()
+            if now - float(at) <= REPLICA_LOAD_MAX_AGE_S:
+                load += float(weighted)
+                active += int(in_flight)
+        except ValueError:
+            continue
+    return load, active
+
+
 class ClientGone(Exception):
     pass
 
@@ -91,6 +114,7 @@ class Router:
         self.snapshot_max_age = settings.ROUTER_SNAPSHOT_MAX_AGE
         self.connect_timeout = settings.ROUTER_CONNECT_TIMEOUT
         self.pepper = settings.API_KEY_PEPPER.encode()
+        self.replica_id = os.urandom(6).hex()  # names this replica's field in the shared load hashes
 
     # --- life cycle -----------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -135,18 +159,33 @@ class Router:
         await self._refresh_loads()
 
     async def _refresh_loads(self) -> None:
+        """Read the engines' scraped load, and trade this replica's own load per endpoint with the other
+        replicas' (a hash per endpoint, a field per replica), so each one's load guard sees all of it."""
         endpoints = [e for d in self.snapshot.deployments.values() for e in d.endpoints]
         if not endpoints:
             return
+        now, wall = time.monotonic(), time.time()
         async with self.redis.pipeline(transaction=False) as pipe:
             for endpoint in endpoints:
                 pipe.hgetall(LOAD_KEY.format(endpoint.id))
-            rows = await pipe.execute()
-        for endpoint, row in zip(endpoints, rows, strict=True):
+                key = REPLICA_LOAD_KEY.format(endpoint.id)
+                load = self.loads.get(endpoint.id)
+                own = load.own(now) if load is not None else 0.0
+                if load is not None and (load.active or own > 0.01):
+                    pipe.hset(key, self.replica_id, f"{own:.3f} {load.active} {wall:.3f}")
+                    pipe.expire(key, REPLICA_LOAD_TTL_S)
+                else:
+                    pipe.hdel(key, self.replica_id)
+                    pipe.expire(key, REPLICA_LOAD_TTL_S)
+                pipe.hgetall(key)
+            replies = await pipe.execute()
+        for index, endpoint in enumerate(endpoints):
+            row, published = replies[4 * index], replies[4 * index + 3]
             load = self.loads.setdefault(endpoint.id, EndpointLoad())
             load.running = float(row.get(b"running", 0))
             load.waiting = float(row.get(b"waiting", 0))
             load.kv_usage = float(row.get(b"kv_usage", 0))
+            load.others, load.others_active = others_load(published, self.replica_id, wall)
 
     async def _refresh_forever(self) -> None:
         while True:

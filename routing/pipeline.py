@@ -40,6 +40,8 @@ class EndpointLoad:
     waiting: float = 0.0
     kv_usage: float = 0.0
     work: float = 0.0  # requests in flight there, each weighed by the prefill it brings (request_weight)
+    others: float = 0.0  # own() of the other router replicas there, as they last published it
+    others_active: int = 0  # their requests in flight there
     _recent: float = 0.0
     _recent_at: float = 0.0
 
@@ -56,6 +58,10 @@ class EndpointLoad:
         """Count a request sent there, by its weight; the count decays with time constant `window_s`."""
         self._recent = self.recent(now, window_s) + weight
         self._recent_at = now
+
+    def own(self, now: float) -> float:
+        """This replica's load there, for the load guard: in flight and sent lately, weighed."""
+        return self.work + self.recent(now, RECENT_WINDOW_S)
 
     def recent(self, now: float, window_s: float) -> float:
         """Requests sent there lately (exponentially decayed): load that short requests leave no trace of in
@@ -182,14 +188,15 @@ def request_weight(prompt_tokens: int, cached_tokens: int) -> float:
 def load_guard(candidates: list[Candidate], ratio: float) -> None:
     """Keep affinity from piling everything on one engine: an engine loaded beyond `ratio` times the mean
     (plus one request of slack) loses its prefix and session scores. Load is what is in flight or queued
-    there plus what was sent there lately, each request of this replica weighed by the prefill it brings."""
+    there plus what was sent there lately, each request weighed by the prefill it brings: this replica's
+    requests as they are, the other replicas' as they last published them."""
     now = time.monotonic()
-    loads = [c.load.work + c.load.waiting + c.load.recent(now, RECENT_WINDOW_S) for c in candidates]
+    loads = [c.load.own(now) + c.load.others + c.load.waiting for c in candidates]
     mean = sum(loads) / len(loads)
     for candidate, load in zip(candidates, loads, strict=True):
         # Only an engine with work in hand now is guarded: a lone conversation's quick turns on an idle fleet
         # stay with their prefix, however many were sent lately.
-        busy = candidate.load.active + candidate.load.waiting >= 1
+        busy = candidate.load.active + candidate.load.others_active + candidate.load.waiting >= 1
         if busy and load > ratio * mean + 1:
             candidate.scores["prefix"] = 0.0
             candidate.scores["session"] = 0.0

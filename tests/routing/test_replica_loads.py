@@ -1,0 +1,73 @@
+"""Router replicas trade their own load per endpoint through Redis, so each one's load guard counts the others'
+requests too (real Redis; the routers are in-process Router objects, not servers)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from django.conf import settings
+
+from routing.app import REPLICA_LOAD_MAX_AGE_S, Router, others_load
+from routing.pipeline import Candidate, EndpointLoad, load_guard
+from routing.redis_pool import router_redis
+from routing.state import DeploymentInfo, EndpointInfo, PolicyInfo, Snapshot
+
+
+def snapshot() -> Snapshot:
+    endpoints = (
+        EndpointInfo(901, "e0", "http://e0", "both", 1),
+        EndpointInfo(902, "e1", "http://e1", "both", 1),
+    )
+    deployment = DeploymentInfo(1, "tiny", "tiny", 4096, 128, PolicyInfo(), endpoints, 0)
+    return Snapshot(deployments={"tiny": deployment})
+
+
+def test_each_replica_sees_the_load_the_other_sends_to_an_endpoint():
+    async def check():
+        a, b = Router(), Router()
+        for router in (a, b):
+            router.redis = router_redis(settings.REDIS_URL, 4)
+            router.snapshot = snapshot()
+        try:
+            busy = a.loads.setdefault(901, EndpointLoad())
+            for _ in range(3):
+                busy.begin(1.0)
+            await a._refresh_loads()  # publishes
+            await b._refresh_loads()  # reads
+            assert b.loads[901].others_active == 3 and b.loads[901].others >= 3.0
+            assert b.loads[902].others == 0 and b.loads[902].others_active == 0
+            assert a.loads[901].others == 0  # its own field is not counted twice
+            for _ in range(3):
+                busy.end(1.0)
+            busy._recent = 0.0
+            await a._refresh_loads()  # an idle replica withdraws its field
+            await b._refresh_loads()
+            assert b.loads[901].others_active == 0 and b.loads[901].others == 0
+        finally:
+            for router in (a, b):
+                await router.redis.aclose()
+
+    asyncio.run(check())
+
+
+def test_stale_and_malformed_fields_do_not_count():
+    now = time.time()
+    published = {
+        b"me": f"9 9 {now}".encode(),
+        b"other": f"2.5 2 {now - 1}".encode(),
+        b"gone": f"7 7 {now - REPLICA_LOAD_MAX_AGE_S - 1}".encode(),
+        b"junk": b"not a load",
+    }
+    assert others_load(published, "me", now) == (2.5, 2)
+
+
+def test_the_guard_drops_affinity_for_an_engine_other_replicas_keep_busy():
+    endpoints = [EndpointInfo(i, f"e{i}", f"http://e{i}", "both", 1) for i in range(2)]
+    holder, idle = Candidate(endpoints[0], EndpointLoad()), Candidate(endpoints[1], EndpointLoad())
+    holder.scores = {"prefix": 1.0, "session": 1.0}
+    load_guard([holder, idle], 1.3)
+    assert not holder.guarded  # this replica sent it nothing: no reason to move
+    holder.load.others, holder.load.others_active = 6.0, 6
+    load_guard([holder, idle], 1.3)
+    assert holder.guarded and holder.scores["prefix"] == 0.0
