@@ -11,24 +11,14 @@ from __future__ import annotations
 from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
-
-try:
-    import hiredis  # noqa: F401  (HiredisRespSerializer needs it)
-    from redis.connection import HiredisRespSerializer
-except ImportError:  # pragma: no cover - hiredis is a locked dependency
-    HiredisRespSerializer = None
+from redis.connection import HiredisRespSerializer  # needs hiredis, a locked dependency
 
 
-if HiredisRespSerializer is not None:
+class HiredisPackingConnection(aioredis.Connection):
+    _packer = HiredisRespSerializer()
 
-    class HiredisPackingConnection(aioredis.Connection):
-        _packer = HiredisRespSerializer()
-
-        def pack_command(self, *args):
-            return self._packer.pack(*args)
-
-else:  # pragma: no cover
-    HiredisPackingConnection = aioredis.Connection
+    def pack_command(self, *args):
+        return self._packer.pack(*args)
 
 
 def router_redis(url: str, max_connections: int) -> aioredis.Redis:

@@ -94,8 +94,7 @@ class _Connection(asyncio.Protocol):
 
     # used by the pool and the response
     def send(self, response: Response, data: bytes) -> None:
-        self.response = response
-        self.parser = httptools.HttpResponseParser(self)
+        self.response = response  # one parser for the connection's life: it reads responses one after another
         self.transport.write(data)
 
     def release(self) -> None:
@@ -128,7 +127,6 @@ class Response:
         self._paused = False
         self.status = 0
         self.keep_alive = False
-        self.received_any = False
 
     def _delimited_by_close(self) -> bool:
         return self.header(b"content-length") is None and self.header(b"transfer-encoding") is None
@@ -166,7 +164,6 @@ class Response:
 
     # fed by the connection
     def _feed(self, body: bytes) -> None:
-        self.received_any = True
         self._chunks.append(body)
         self._buffered += len(body)
         if self._buffered > READ_HIGH_WATER and not self._paused and not self._connection.closed:
@@ -193,7 +190,7 @@ class Response:
             waiter.set_result(None)
 
 
-class _Exchange:
+class _Post:
     """`async with pool.post(...) as response`: the connection goes back to the pool only when the response
     was read to its end; otherwise it is closed."""
 
@@ -211,7 +208,7 @@ class _Exchange:
         try:
             self.response = await self._send(connection, data)
         except UpstreamClosed:
-            if not reused or (self.response is not None and self.response.received_any):
+            if not reused:
                 raise
             # An idle connection the engine had closed: nothing of this request was answered; once more on a
             # new connection.
@@ -246,8 +243,8 @@ class UpstreamPool:
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
         self._targets: dict[str, tuple[str, int, str]] = {}
 
-    def post(self, url: str, body: bytes, headers: list[tuple[str, str]]) -> _Exchange:
-        return _Exchange(self, url, body, headers)
+    def post(self, url: str, body: bytes, headers: list[tuple[str, str]]) -> _Post:
+        return _Post(self, url, body, headers)
 
     def target(self, url: str) -> tuple[str, int, str]:
         target = self._targets.get(url)
