@@ -94,7 +94,8 @@ class _Connection(asyncio.Protocol):
 
     # used by the pool and the response
     def send(self, response: Response, data: bytes) -> None:
-        self.response = response  # one parser for the connection's life: it reads responses one after another
+        self.response = response
+        self.parser = httptools.HttpResponseParser(self)  # a fresh parser per response
         self.transport.write(data)
 
     def release(self) -> None:
