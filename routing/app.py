@@ -65,11 +65,10 @@ REPLICA_LOAD_TTL_S = 10
 REPLICA_LOAD_MAX_AGE_S = 3.0
 
 
-def others_load(published: dict, replica_id: str, now: float) -> tuple[float, int, list[bytes]]:
+def others_load(published: dict, replica_id: str, now: float) -> tuple[float, int]:
     """The other replicas' weighted load and requests in flight at an endpoint, from their fields in its hash
-    (`"<load> <in flight> <unix time>"`), and the fields to delete: older than REPLICA_LOAD_MAX_AGE_S (a
-    replica gone) or unreadable."""
-    load, active, stale = 0.0, 0, []
+    (`"<load> <in flight> <unix time>"`); a field older than REPLICA_LOAD_MAX_AGE_S is a replica gone."""
+    load, active = 0.0, 0
     mine = replica_id.encode()
     for field, value in published.items():
         if field == mine:
@@ -79,11 +78,9 @@ def others_load(published: dict, replica_id: str, now: float) -> tuple[float, in
             if now - float(at) <= REPLICA_LOAD_MAX_AGE_S:
                 load += float(weighted)
                 active += int(in_flight)
-                continue
         except ValueError:
-            pass
-        stale.append(field)
-    return load, active, stale
+            continue
+    return load, active
 
 
 class ClientGone(Exception):
@@ -172,26 +169,23 @@ class Router:
             for endpoint in endpoints:
                 pipe.hgetall(LOAD_KEY.format(endpoint.id))
                 key = REPLICA_LOAD_KEY.format(endpoint.id)
-                load = self.loads.get(endpoint.id) or EndpointLoad()
-                pipe.hset(key, self.replica_id, f"{load.own(now):.3f} {load.active} {wall:.3f}")
-                pipe.expire(key, REPLICA_LOAD_TTL_S)
+                load = self.loads.get(endpoint.id)
+                own = load.own(now) if load is not None else 0.0
+                if load is not None and (load.active or own > 0.01):
+                    pipe.hset(key, self.replica_id, f"{own:.3f} {load.active} {wall:.3f}")
+                    pipe.expire(key, REPLICA_LOAD_TTL_S)
+                else:
+                    pipe.hdel(key, self.replica_id)
+                    pipe.expire(key, REPLICA_LOAD_TTL_S)
                 pipe.hgetall(key)
             replies = await pipe.execute()
-        gone: dict[str, list[bytes]] = {}
         for index, endpoint in enumerate(endpoints):
             row, published = replies[4 * index], replies[4 * index + 3]
             load = self.loads.setdefault(endpoint.id, EndpointLoad())
             load.running = float(row.get(b"running", 0))
             load.waiting = float(row.get(b"waiting", 0))
             load.kv_usage = float(row.get(b"kv_usage", 0))
-            load.others, load.others_active, stale = others_load(published, self.replica_id, wall)
-            if stale:
-                gone[REPLICA_LOAD_KEY.format(endpoint.id)] = stale
-        if gone:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for key, fields in gone.items():
-                    pipe.hdel(key, *fields)
-                await pipe.execute()
+            load.others, load.others_active = others_load(published, self.replica_id, wall)
 
     async def _refresh_forever(self) -> None:
         while True:
