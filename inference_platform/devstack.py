@@ -64,6 +64,11 @@ def embedded_redis(root: Path) -> Iterator[str]:
 
     data = root / "redis"
     data.mkdir(exist_ok=True)
+    persist = os.environ.get("PLATFORM_REDIS_PERSIST", "1") != "0"
+    if not persist:
+        # A throwaway Redis (the test suite's) starts empty: the test database is created anew on every run, so
+        # its ids repeat, and counters kept under those ids (quota budgets, say) must not carry over.
+        (data / "dump.rdb").unlink(missing_ok=True)
     port = free_port()
     proc = subprocess.Popen(
         [
@@ -75,7 +80,7 @@ def embedded_redis(root: Path) -> Iterator[str]:
             "--dir",
             str(data),
             "--save",
-            "60 1" if os.environ.get("PLATFORM_REDIS_PERSIST", "1") != "0" else "",
+            "60 1" if persist else "",
             "--appendonly",
             "no",
             "--daemonize",
@@ -102,7 +107,7 @@ def embedded_redis(root: Path) -> Iterator[str]:
         yield url
     finally:
         with contextlib.suppress(Exception):
-            redis.Redis.from_url(url).shutdown(save=True)
+            redis.Redis.from_url(url).shutdown(save=persist, nosave=not persist)
         try:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:

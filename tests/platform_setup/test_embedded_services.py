@@ -70,3 +70,53 @@ def test_it_passes_the_exit_code_of_the_command_through():
         timeout=60,
     )
     assert result.returncode == 7
+
+
+REMEMBER = """
+import os, redis
+r = redis.Redis.from_url(os.environ["REDIS_URL"])
+print(r.get("counter"))
+r.set("counter", "seen")
+"""
+
+
+def run_embedded_redis_twice(persist: str) -> list[str]:
+    state = ROOT / ".local" / f"test-embedded-{uuid.uuid4().hex[:8]}"
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}  # the PostgreSQL in DATABASE_URL is kept
+    env["PLATFORM_STATE_DIR"] = str(state)
+    env["PLATFORM_REDIS_PERSIST"] = persist
+    seen = []
+    try:
+        for _ in range(2):
+            result = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "inference_platform.devstack",
+                    "exec",
+                    "--",
+                    sys.executable,
+                    "-c",
+                    REMEMBER,
+                ],
+                cwd=ROOT,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert result.returncode == 0, result.stderr
+            seen.append(result.stdout.strip().splitlines()[-1])
+    finally:
+        shutil.rmtree(state, ignore_errors=True)
+    return seen
+
+
+def test_a_throwaway_redis_starts_empty_on_every_run():
+    # The test suite's Redis: the test database is made anew each run and its ids repeat, so nothing kept
+    # under them (a team's spend this month, say) may survive into the next run.
+    assert run_embedded_redis_twice("0") == ["None", "None"]
+
+
+def test_the_platforms_own_redis_keeps_its_data_across_restarts():
+    assert run_embedded_redis_twice("1") == ["None", "b'seen'"]

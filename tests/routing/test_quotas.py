@@ -85,7 +85,7 @@ def test_concurrent_requests_never_overshoot_a_spend_budget_on_two_replicas(flee
     finally:
         second.stop()
     ok = [r for r in responses if r.status_code == 200]
-    assert ok and len(ok) < 40
+    assert ok and len(ok) < 40, [(r.status_code, r.text[:200]) for r in responses[:3]]
     spent = sum(
         (
             Decimal(r.json()["usage"]["prompt_tokens"]) * 1000

@@ -79,7 +79,7 @@ def test_gpu_evicted_blocks_are_restored_from_the_cpu_tier(tiered_engine):
     subscriber = EventSubscriber(engine.events_endpoint)
     try:
         cold, recompute_time = complete(engine, a)
-        gpu_hit, gpu_time = complete(engine, a)
+        gpu_hit, _ = complete(engine, a)
         complete(engine, b)  # needs 5 of the 6 GPU blocks: three of a's four cached blocks are evicted
         before = engine.metrics()
         restored, restore_time = complete(engine, a)
@@ -102,9 +102,12 @@ def test_gpu_evicted_blocks_are_restored_from_the_cpu_tier(tiered_engine):
         after["vllm:external_prefix_cache_queries_total"] - before["vllm:external_prefix_cache_queries_total"]
         == len(a) - BLOCK
     )
-    # 1 token recomputed + 384 restored at a tenth of the prefill time: about 0.04 s against 0.51 s cold.
-    assert gpu_time < restore_time < recompute_time
-    assert 0.035 < restore_time < 0.25 < 0.45 < recompute_time
+    # 1 token recomputed + 384 restored at a tenth of the prefill time: about 0.04 s against 0.51 s cold. The
+    # simulator sleeps for its modelled work, so those are lower bounds; on a loaded machine a request can take
+    # longer than its work by a tenth of a second, so only the lower bounds and the order against a cold
+    # prefill (ten times the work) are checked, not the 0.04 s gap between a GPU hit and a restore.
+    assert 0.035 < restore_time < recompute_time
+    assert recompute_time > 0.45
 
     gpu_stored = blocks_by_tokens(events, "BlockStored", "GPU")
     cpu_stored = blocks_by_tokens(events, "BlockStored", "CPU")
