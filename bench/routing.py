@@ -3,6 +3,9 @@ engines with bounded KV caches, replaying Mooncake traces and a synthetic agenti
 
     .venv/bin/python bench/routing.py            # full: 3 workloads x 5 policies, about 12 minutes
     .venv/bin/python bench/routing.py --quick    # smaller subsets, shorter replays, about 4 minutes
+    .venv/bin/python bench/routing.py --repeat 3 # every policy 3 times, medians and ranges
+    .venv/bin/python bench/routing.py --kv-blocks 512 --section prefix-routing-kv-pressure \
+        --title "Under KV pressure"              # caches too small for the workload: engines evict
 
 Without DATABASE_URL and REDIS_URL it re-runs itself under `python -m inference_platform.devstack exec`. It uses a
 dedicated database (`bench_routing`, dropped and re-created each run) and Redis database 14, and sets up one
@@ -25,6 +28,7 @@ import argparse
 import asyncio
 import contextlib
 import datetime as dt
+import itertools
 import json
 import os
 import signal
@@ -44,7 +48,7 @@ BENCH_DB = "bench_routing"
 BENCH_REDIS_DB = 14
 ENGINES = 8
 BLOCK = 128
-KV_BLOCKS = 2048  # per engine: 262,144 tokens
+KV_BLOCKS = 2048  # per engine by default: 262,144 tokens (--kv-blocks)
 MAX_MODEL_LEN = 32768
 MAX_IDS = 48  # prompts capped at 48 x 512 = 24,576 tokens
 MAX_OUTPUT = 16
@@ -67,8 +71,9 @@ def log(message: str) -> None:
 
 
 class Engine:
-    def __init__(self, index: int):
+    def __init__(self, index: int, kv_blocks: int = KV_BLOCKS):
         self.index = index
+        self.kv_blocks = kv_blocks
         self.port = ro.free_port()
         self.kv_port = ro.free_port()
         self.replay_port = ro.free_port()
@@ -86,7 +91,7 @@ class Engine:
         }
         argv = [PYTHON, "-m", "serving.simulator", "--model", str(ROOT / "models" / MODEL)]
         argv += ["--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(self.port)]
-        argv += ["--block-size", str(BLOCK), "--num-gpu-blocks-override", str(KV_BLOCKS)]
+        argv += ["--block-size", str(BLOCK), "--num-gpu-blocks-override", str(self.kv_blocks)]
         argv += ["--max-model-len", str(MAX_MODEL_LEN), "--enable-prompt-tokens-details"]
         argv += ["--kv-events-config", json.dumps(events)]
         for flag, value in SIM_TIMING.items():
@@ -198,14 +203,21 @@ class Scraper(threading.Thread):
                 close_old_connections()
 
 
-def start_router(procs: ro.Processes, env: dict, tag: str, root: Path = ROOT, decision_log: bool = False):
+def start_router(
+    procs: ro.Processes,
+    env: dict,
+    tag: str,
+    root: Path = ROOT,
+    decision_log: bool = False,
+    kv_blocks: int = KV_BLOCKS,
+):
     port = ro.free_port()
     argv = [PYTHON, "-m", "uvicorn", "inference_platform.asgi:application", "--host", "127.0.0.1"]
     argv += ["--port", str(port), "--loop", "uvloop", "--http", "httptools", "--no-access-log"]
     argv += ["--workers", "1", "--log-level", "warning"]
     extra = {
         "ROUTER_CONFIG_POLL_SECONDS": "0.5",
-        "ROUTER_APPROX_BLOCKS_PER_ENDPOINT": str(KV_BLOCKS),
+        "ROUTER_APPROX_BLOCKS_PER_ENDPOINT": str(kv_blocks),
         "ROUTER_DECISION_LOG_SAMPLE": "1" if decision_log else "0",
     }
     proc = procs.start(f"routing-router-{tag}", argv, core=None, env={**env, **extra}, cwd=root)
@@ -442,6 +454,29 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="run N replicas of each router (ours and vllm-router), requests spread over them in turn",
     )
     p.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=KV_BLOCKS,
+        metavar="N",
+        help=f"KV-cache blocks per engine (default {KV_BLOCKS}: the fleet holds every workload whole; fewer puts "
+        "the caches under pressure, so engines evict what a router's own record still counts as there)",
+    )
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run every policy N times (rounds interleaved) and report medians with their ranges",
+    )
+    p.add_argument(
+        "--section",
+        default="prefix-routing",
+        help="the name of the docs markers to write between (one section per configuration)",
+    )
+    p.add_argument(
+        "--title", default=None, help="the heading of the written section (default: Full run / Quick run)"
+    )
+    p.add_argument(
         "--decision-log",
         action="store_true",
         help="log every routing decision of our router and print where prefix blocks were given up",
@@ -469,8 +504,8 @@ def workloads(quick: bool, names: list[str]) -> dict[str, tuple[list[wl.Req], di
     return out
 
 
-def write_docs(path: Path, block: str) -> None:
-    begin, end = "<!-- prefix-routing:begin -->", "<!-- prefix-routing:end -->"
+def write_docs(path: Path, block: str, section: str = "prefix-routing") -> None:
+    begin, end = f"<!-- {section}:begin -->", f"<!-- {section}:end -->"
     text = path.read_text() if path.exists() else "# Benchmarks\n"
     if begin in text and end in text:
         head, _, rest = text.partition(begin)
@@ -526,7 +561,8 @@ def main(argv: list[str]) -> int:
         rclient.flushdb()
         log(f"database {BENCH_DB} (dropped and re-created), Redis db {BENCH_REDIS_DB} (flushed)")
         env = ro.platform_env(prepare_database(os.environ["DATABASE_URL"]), redis_url)
-        engines = [Engine(i) for i in range(ENGINES)]
+        kv_blocks = args.kv_blocks
+        engines = [Engine(i, kv_blocks) for i in range(ENGINES)]
         for engine in engines:
             engine.start(procs)
         ro.migrate(env)
@@ -538,23 +574,25 @@ def main(argv: list[str]) -> int:
         )
         scraper = Scraper()
         scraper.start()
-        log(f"{ENGINES} engines up ({KV_BLOCKS} blocks of {BLOCK} tokens each), ingester pid {ingester.pid}")
+        log(f"{ENGINES} engines up ({kv_blocks} blocks of {BLOCK} tokens each), ingester pid {ingester.pid}")
 
         loads = workloads(args.quick, args.workloads)
         peer_venv: Path | None = None
         peer_note = ""
-        rows: dict[tuple[str, str], dict] = {}
+        rows: dict[tuple[str, str], list[dict]] = {}
         meta: dict[str, dict] = {}
         for name, (reqs, info) in loads.items():
-            ceil = wl.ceilings(reqs, BLOCK, ENGINES * KV_BLOCKS)
+            ceil = wl.ceilings(reqs, BLOCK, ENGINES * kv_blocks)
             meta[name] = {**info, **ceil, "n": len(reqs), "span": reqs[-1].at}
             log(
                 f"{name}: {len(reqs)} requests over {reqs[-1].at:.1f} s, ceiling {ceil['ceiling']:.3f}, "
                 f"one LRU of the fleet's capacity {ceil['lru_fleet']:.3f}; {info}"
             )
             bodies = bodies_for(reqs)
-            for policy in policies:
-                tag = f"{name}-{policy.split()[0]}"
+            for round_, policy in itertools.product(range(args.repeat), policies):
+                if any("skipped" in r for r in rows.get((name, policy), [])):
+                    continue
+                tag = f"{name}-{policy.split()[0]}" + (f"-r{round_}" if round_ else "")
                 deadline = time.monotonic() + 30
                 for engine in engines:
                     engine.reset(deadline)
@@ -570,7 +608,7 @@ def main(argv: list[str]) -> int:
                         peer_venv = installer.venv
                         peer_note = installer.error or ("" if peer_venv else "install did not finish")
                     if peer_venv is None:
-                        rows[(name, policy)] = {"skipped": peer_note}
+                        rows[(name, policy)] = [{"skipped": peer_note}]
                         continue
                     replicas_up = [
                         start_vllm_router(procs, peer_venv, engines, f"{tag}-{r}") for r in range(replicas)
@@ -592,13 +630,18 @@ def main(argv: list[str]) -> int:
                             procs.stop(proc)
                         peer_note = f"did not start: {str(exc).splitlines()[0][:200]}"
                         peer_venv = None
-                        rows[(name, policy)] = {"skipped": peer_note}
+                        rows[(name, policy)] = [{"skipped": peer_note}]
                         continue
                 else:
                     set_mode(deployment_id, policy, overrides)
                     replicas_up = [
                         start_router(
-                            procs, env, tag if r == 0 else f"{tag}-{r}", router_root, args.decision_log
+                            procs,
+                            env,
+                            tag if r == 0 else f"{tag}-{r}",
+                            router_root,
+                            args.decision_log,
+                            kv_blocks,
                         )
                         for r in range(replicas)
                     ]
@@ -620,7 +663,7 @@ def main(argv: list[str]) -> int:
                         f"{name:<12} {policy:<24} {len(held_back)} turns waited for the turn they continue "
                         f"(median {held_back[len(held_back) // 2] * 1000:.0f} ms)"
                     )
-                rows[(name, policy)] = s
+                rows.setdefault((name, policy), []).append(s)
                 if args.decision_log and not policy.startswith("vllm-router"):
                     log(f"{name:<12} {policy:<24} decisions: {decision_summary(f'routing-router-{tag}')}")
                 log(
@@ -630,11 +673,11 @@ def main(argv: list[str]) -> int:
                     f"{s['error_sample']}  ({elapsed:.0f} s)"
                 )
 
-        block = report(args, argv, rows, meta, policies, loads)
+        block = report(args, argv, {k: merge_runs(v) for k, v in rows.items()}, meta, policies, loads)
         print()
         print(block)
         if docs:
-            write_docs(docs, block)
+            write_docs(docs, block, args.section)
             log(f"wrote {docs}")
         log(f"done in {time.monotonic() - started:.0f} s")
         return 0
@@ -651,6 +694,30 @@ def main(argv: list[str]) -> int:
             redis.Redis.from_url(redis_url).flushdb()
 
 
+def merge_runs(runs: list[dict]) -> dict:
+    """Rounds of one workload and policy: the median of every figure (errors summed), the rounds kept."""
+    if len(runs) == 1 or "skipped" in runs[0]:
+        return {**runs[0], "runs": runs}
+    merged: dict = {"runs": runs}
+    for key, value in runs[0].items():
+        numeric = isinstance(value, int | float) and not isinstance(value, bool)
+        merged[key] = statistics.median(r[key] for r in runs) if numeric else value
+    merged["errors"] = sum(r["errors"] for r in runs)
+    return merged
+
+
+def cell(s: dict, key: str, digits: int, scale: float = 1.0, pct: bool = False) -> str:
+    """A figure, with its range over the rounds when there were several."""
+
+    def one(v: float) -> str:
+        return f"{v * scale:.{digits}%}" if pct else fmt(v * scale, digits)
+
+    values = [r[key] for r in s["runs"]]
+    if len(values) < 2:
+        return one(s[key])
+    return f"{one(s[key])} ({one(min(values))}-{one(max(values))})"
+
+
 def report(args, argv, rows, meta, policies, loads) -> str:
     when = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     command = (".venv/bin/python bench/routing.py " + " ".join(argv)).strip()
@@ -660,19 +727,26 @@ def report(args, argv, rows, meta, policies, loads) -> str:
             f"{args.router_replicas} replicas of one uvicorn worker each, request i sent to replica i mod "
             f"{args.router_replicas} (vllm-router likewise)"
         )
+    kv = args.kv_blocks
+    rounds = (
+        f"- Rounds: {args.repeat}, interleaved (every policy once per round); each figure is the median of the "
+        "rounds, its range in brackets.\n"
+        if args.repeat > 1
+        else ""
+    )
     lines = [
-        f"### {'Quick' if args.quick else 'Full'} run",
+        f"### {args.title or ('Quick run' if args.quick else 'Full run')}",
         "",
         f"- Date: {when}. Machine: {ro.machine()}. Command: `{command}`.",
-        f"- Engines: {ENGINES} simulators, KV cache {KV_BLOCKS} blocks x {BLOCK} tokens each "
-        f"({KV_BLOCKS * BLOCK:,} tokens; {ENGINES * KV_BLOCKS:,} blocks in the fleet), "
+        f"{rounds}- Engines: {ENGINES} simulators, KV cache {kv} blocks x {BLOCK} tokens each "
+        f"({kv * BLOCK:,} tokens; {ENGINES * kv:,} blocks in the fleet), "
         + ", ".join(f"`{k} {v}`" for k, v in SIM_TIMING.items())
         + f", `--max-model-len {MAX_MODEL_LEN}`, KV events with a replay socket; the KV-event ingester running; "
         "engines' /metrics scraped into Redis every second. Nothing pinned (2 cores shared by everything).",
         f"- Router: {routers}, DEBUG off, policy defaults (prefix 3, queue 2, kv_utilization 1, "
         f"session 1, load guard 1.3){', overridden: ' + ' '.join(args.set) if args.set else ''}"
         f"{', from ' + args.router_root if args.router_root else ''}, "
-        f"`ROUTER_APPROX_BLOCKS_PER_ENDPOINT={KV_BLOCKS}`; restarted for every policy; "
+        f"`ROUTER_APPROX_BLOCKS_PER_ENDPOINT={kv}`; restarted for every policy; "
         "engine caches reset before every policy. vllm-router 0.1.17 `--policy cache_aware` (defaults) on the same engines.",
         f"- Requests: streamed /v1/completions, `prompt` = token ids (each trace hash id -> a fixed block of 512 ids in "
         f"[100, 4000)), prompts capped at {MAX_IDS} ids ({MAX_IDS * 512:,} tokens), `max_tokens` = "
@@ -705,9 +779,9 @@ def report(args, argv, rows, meta, policies, loads) -> str:
         )
     lines += [
         "",
-        "| workload | policy | prefix-hit share (engines) | of ceiling | of timed ceiling | TTFT p50 / p90 (ms) | req/s | "
-        "prompt tok/s | requests per engine max/mean | errors |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| workload | policy | prefix-hit share (engines) | of ceiling | of fleet LRU | of timed ceiling | "
+        "TTFT p50 / p90 (ms) | req/s | prompt tok/s | requests per engine max/mean | errors |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name in loads:
         for policy in policies:
@@ -715,13 +789,14 @@ def report(args, argv, rows, meta, policies, loads) -> str:
             if s is None:
                 continue
             if "skipped" in s:
-                lines.append(f"| {name} | {policy} | skipped: {s['skipped']} | | | | | | | |")
+                lines.append(f"| {name} | {policy} | skipped: {s['skipped']} | | | | | | | | |")
                 continue
+            lru = meta[name]["lru_fleet"]
             lines.append(
-                f"| {name} | {policy} | {s['hit_share']:.1%} | {s['of_ceiling']:.0%} | "
-                f"{s['hit_share'] / s['timed_ceiling']:.0%} of {s['timed_ceiling']:.1%} | {fmt(s['ttft_p50'], 0)} / "
-                f"{fmt(s['ttft_p90'], 0)} | {fmt(s['rps'])} | {fmt(s['tps'], 0)} | {fmt(s['max_mean'], 2)} | "
-                f"{s['errors']} |"
+                f"| {name} | {policy} | {cell(s, 'hit_share', 1, pct=True)} | {s['of_ceiling']:.0%} | "
+                f"{s['hit_share'] / lru:.0%} | {s['hit_share'] / s['timed_ceiling']:.0%} of "
+                f"{s['timed_ceiling']:.1%} | {fmt(s['ttft_p50'], 0)} / {cell(s, 'ttft_p90', 0)} | {fmt(s['rps'])} | "
+                f"{fmt(s['tps'], 0)} | {cell(s, 'max_mean', 2)} | {s['errors']} |"
             )
     lines += [
         "",
@@ -740,9 +815,13 @@ def report(args, argv, rows, meta, policies, loads) -> str:
         for other in ("approximate", "vllm-router cache_aware"):
             o = rows.get((name, other))
             if o and "skipped" not in o:
+                rounds_won = sum(
+                    a["ttft_p90"] < b["ttft_p90"] for a, b in zip(p["runs"], o["runs"], strict=False)
+                )
+                won = f" (lower in {rounds_won} of {len(p['runs'])} rounds)" if len(p["runs"]) > 1 else ""
                 checks.append(
                     (
-                        f"TTFT p90 {p['ttft_p90']:.0f} vs {other} {o['ttft_p90']:.0f} ms",
+                        f"TTFT p90 {p['ttft_p90']:.0f} vs {other} {o['ttft_p90']:.0f} ms{won}",
                         p["ttft_p90"] < o["ttft_p90"],
                     )
                 )

@@ -238,6 +238,9 @@ ROUTER_MAX_ATTEMPTS = env_int(
     "ROUTER_MAX_ATTEMPTS", 3
 )  # engines tried before giving up (before the first byte)
 ROUTER_CONFIG_POLL_SECONDS = float(env_secret("ROUTER_CONFIG_POLL_SECONDS") or 1.0)
+# How often each replica trades its own load per endpoint with the other replicas (and rereads the engines'
+# scraped load): a burst of sub-agents comes within a fraction of a second.
+ROUTER_LOAD_SHARE_SECONDS = float(env_secret("ROUTER_LOAD_SHARE_SECONDS") or 0.1)
 ROUTER_SNAPSHOT_MAX_AGE = float(env_secret("ROUTER_SNAPSHOT_MAX_AGE") or 10.0)
 ROUTER_SPECULATIVE_TTL_SECONDS = float(env_secret("ROUTER_SPECULATIVE_TTL_SECONDS") or 3.0)
 ROUTER_APPROX_BLOCKS_PER_ENDPOINT = env_int("ROUTER_APPROX_BLOCKS_PER_ENDPOINT", 4096)

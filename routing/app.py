@@ -65,10 +65,11 @@ REPLICA_LOAD_TTL_S = 10
 REPLICA_LOAD_MAX_AGE_S = 3.0
 
 
-def others_load(published: dict, replica_id: str, now: float) -> tuple[float, int]:
+def others_load(published: dict, replica_id: str, now: float) -> tuple[float, int, list[bytes]]:
     """The other replicas' weighted load and requests in flight at an endpoint, from their fields in its hash
-    (`"<load> <in flight> <unix time>"`); a field older than REPLICA_LOAD_MAX_AGE_S is a replica gone."""
-    load, active = 0.0, 0
+    (`"<load> <in flight> <unix time>"`), and the fields to delete: older than REPLICA_LOAD_MAX_AGE_S (a
+    replica that died without withdrawing its field) or unreadable."""
+    load, active, stale = 0.0, 0, []
     mine = replica_id.encode()
     for field, value in published.items():
         if field == mine:
@@ -78,9 +79,11 @@ def others_load(published: dict, replica_id: str, now: float) -> tuple[float, in
             if now - float(at) <= REPLICA_LOAD_MAX_AGE_S:
                 load += float(weighted)
                 active += int(in_flight)
+                continue
         except ValueError:
-            continue
-    return load, active
+            pass
+        stale.append(field)
+    return load, active, stale
 
 
 class ClientGone(Exception):
@@ -111,6 +114,10 @@ class Router:
         self.max_messages = settings.ROUTER_MAX_MESSAGES
         self.max_attempts = settings.ROUTER_MAX_ATTEMPTS
         self.poll_interval = settings.ROUTER_CONFIG_POLL_SECONDS
+        self.load_share_interval = min(settings.ROUTER_LOAD_SHARE_SECONDS, self.poll_interval)
+        self._stale_loads: dict[
+            str, list[bytes]
+        ] = {}  # replica-load fields of dead replicas, deleted next trade
         self.snapshot_max_age = settings.ROUTER_SNAPSHOT_MAX_AGE
         self.connect_timeout = settings.ROUTER_CONNECT_TIMEOUT
         self.pepper = settings.API_KEY_PEPPER.encode()
@@ -160,11 +167,13 @@ class Router:
 
     async def _refresh_loads(self) -> None:
         """Read the engines' scraped load, and trade this replica's own load per endpoint with the other
-        replicas' (a hash per endpoint, a field per replica), so each one's load guard sees all of it."""
+        replicas' (a hash per endpoint, a field per replica), so each one's load guard sees all of it. A replica
+        with nothing there withdraws its field; fields of replicas that died are deleted by whoever sees them."""
         endpoints = [e for d in self.snapshot.deployments.values() for e in d.endpoints]
         if not endpoints:
             return
         now, wall = time.monotonic(), time.time()
+        stale, self._stale_loads = self._stale_loads, {}
         async with self.redis.pipeline(transaction=False) as pipe:
             for endpoint in endpoints:
                 pipe.hgetall(LOAD_KEY.format(endpoint.id))
@@ -173,11 +182,12 @@ class Router:
                 own = load.own(now) if load is not None else 0.0
                 if load is not None and (load.active or own > 0.01):
                     pipe.hset(key, self.replica_id, f"{own:.3f} {load.active} {wall:.3f}")
-                    pipe.expire(key, REPLICA_LOAD_TTL_S)
                 else:
-                    pipe.hdel(key, self.replica_id)
-                    pipe.expire(key, REPLICA_LOAD_TTL_S)
+                    pipe.hdel(key, self.replica_id, *stale.pop(key, ()))
+                pipe.expire(key, REPLICA_LOAD_TTL_S)
                 pipe.hgetall(key)
+            for key, fields in stale.items():  # at endpoints this replica loads now: a command of their own
+                pipe.hdel(key, *fields)
             replies = await pipe.execute()
         for index, endpoint in enumerate(endpoints):
             row, published = replies[4 * index], replies[4 * index + 3]
@@ -185,15 +195,23 @@ class Router:
             load.running = float(row.get(b"running", 0))
             load.waiting = float(row.get(b"waiting", 0))
             load.kv_usage = float(row.get(b"kv_usage", 0))
-            load.others, load.others_active = others_load(published, self.replica_id, wall)
+            load.others, load.others_active, dead = others_load(published, self.replica_id, wall)
+            if dead:
+                self._stale_loads[REPLICA_LOAD_KEY.format(endpoint.id)] = dead
 
     async def _refresh_forever(self) -> None:
+        """Loads every ROUTER_LOAD_SHARE_SECONDS; the configuration version every ROUTER_CONFIG_POLL_SECONDS."""
+        config_due = time.monotonic() + self.poll_interval
         while True:
-            await asyncio.sleep(self.poll_interval)
+            await asyncio.sleep(self.load_share_interval)
             try:
-                await self.refresh()
+                if time.monotonic() >= config_due:
+                    config_due = time.monotonic() + self.poll_interval
+                    await self.refresh()
+                else:
+                    await self._refresh_loads()
             except Exception:
-                log.exception("could not refresh the router's snapshot; keeping the last one")
+                log.exception("could not refresh the router's snapshot or loads; keeping the last ones")
 
     # --- the ASGI entry point ---------------------------------------------------------------------------
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:

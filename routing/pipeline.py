@@ -101,14 +101,14 @@ PREFILL_ROLES = ("prefill",)
 
 
 class QueueScorer:
-    """Fewer queued and running requests score higher: the router's own in-flight count plus the engine's queue,
-    against the deepest queue or QUEUE_DEPTH_SCALE, whichever is more: one or two requests in flight is not a
-    queue worth giving a cached prefix up for."""
+    """Fewer queued and running requests score higher: the requests in flight there from every router replica
+    plus the engine's queue, against the deepest queue or QUEUE_DEPTH_SCALE, whichever is more: one or two
+    requests in flight is not a queue worth giving a cached prefix up for."""
 
     name = "queue"
 
     def score(self, ctx, candidates, policy):
-        depths = [c.load.active + c.load.waiting for c in candidates]
+        depths = [c.load.active + c.load.others_active + c.load.waiting for c in candidates]
         worst = max(max(depths), QUEUE_DEPTH_SCALE)
         return [1.0 - depth / worst for depth in depths]
 

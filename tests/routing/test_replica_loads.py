@@ -8,7 +8,7 @@ import time
 
 from django.conf import settings
 
-from routing.app import REPLICA_LOAD_MAX_AGE_S, Router, others_load
+from routing.app import REPLICA_LOAD_KEY, REPLICA_LOAD_MAX_AGE_S, Router, others_load
 from routing.pipeline import Candidate, EndpointLoad, load_guard
 from routing.redis_pool import router_redis
 from routing.state import DeploymentInfo, EndpointInfo, PolicyInfo, Snapshot
@@ -59,7 +59,57 @@ def test_stale_and_malformed_fields_do_not_count():
         b"gone": f"7 7 {now - REPLICA_LOAD_MAX_AGE_S - 1}".encode(),
         b"junk": b"not a load",
     }
-    assert others_load(published, "me", now) == (2.5, 2)
+    assert others_load(published, "me", now) == (2.5, 2, [b"gone", b"junk"])
+
+
+def test_a_dead_replicas_field_is_deleted_by_the_next_replica_that_sees_it():
+    async def check():
+        a = Router()
+        a.redis = router_redis(settings.REDIS_URL, 4)
+        a.snapshot = snapshot()
+        key = REPLICA_LOAD_KEY.format(901)
+        try:
+            await a.redis.delete(key)
+            await a.redis.hset(key, "crashed", f"5 5 {time.time() - REPLICA_LOAD_MAX_AGE_S - 1}")
+            await a._refresh_loads()  # sees it, does not count it
+            assert a.loads[901].others == 0
+            await a._refresh_loads()  # deletes it
+            assert await a.redis.hkeys(key) == []
+        finally:
+            await a.redis.delete(key)
+            await a.redis.aclose()
+
+    asyncio.run(check())
+
+
+def test_replicas_trade_loads_more_often_than_they_poll_the_configuration():
+    async def check():
+        a, b = Router(), Router()
+        for router in (a, b):
+            router.redis = router_redis(settings.REDIS_URL, 4)
+            router.snapshot = snapshot()
+            router.poll_interval = 60.0  # no configuration poll during the test
+            router.load_share_interval = 0.05
+        tasks = [asyncio.create_task(r._refresh_forever()) for r in (a, b)]
+        try:
+            a.loads.setdefault(902, EndpointLoad()).begin(1.0)
+            started = time.monotonic()
+            while b.loads.get(902) is None or b.loads[902].others_active != 1:
+                assert time.monotonic() - started < 2, "b never saw a's request"
+                await asyncio.sleep(0.01)
+            a.loads[902].end(1.0)
+            a.loads[902]._recent = 0.0
+            while b.loads[902].others_active != 0:
+                assert time.monotonic() - started < 4, "b never saw a's request end"
+                await asyncio.sleep(0.01)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for router in (a, b):
+                await router.redis.aclose()
+
+    asyncio.run(check())
 
 
 def test_the_guard_drops_affinity_for_an_engine_other_replicas_keep_busy():

@@ -65,6 +65,15 @@ def test_a_deep_queue_outweighs_a_cached_prefix():
     assert pick.endpoint.id != 0
 
 
+def test_the_queue_score_counts_requests_other_router_replicas_have_in_flight():
+    dep = deployment(2)
+    loads = {0: EndpointLoad(others_active=6), 1: EndpointLoad()}
+    ctx = RequestContext(model="tiny", block_keys=["k"] * 10, block_count=10, held={})
+    pick, candidates = Pipeline().choose(dep, ctx, loads)
+    assert candidates[0].scores["queue"] == 0.0 and candidates[1].scores["queue"] == 1.0
+    assert pick.endpoint.id == 1
+
+
 def test_the_load_guard_weighs_requests_by_the_prefill_they_bring():
     assert request_weight(1000, 0) == 1.0
     assert request_weight(1000, 1000) == 0.25
