@@ -44,6 +44,8 @@ class EndpointLoad:
     others_active: int = 0  # their requests in flight there
     _recent: float = 0.0
     _recent_at: float = 0.0
+    _served: float = 0.0
+    _served_at: float = 0.0
 
     def begin(self, weight: float = 1.0) -> None:
         """A request of this replica starts there (weight: request_weight)."""
@@ -58,6 +60,15 @@ class EndpointLoad:
         """Count a request sent there, by its weight; the count decays with time constant `window_s`."""
         self._recent = self.recent(now, window_s) + weight
         self._recent_at = now
+        self._served = self.served(now) + 1.0
+        self._served_at = now
+
+    def served(self, now: float) -> float:
+        """Requests sent there over the last half minute or so (decayed, unweighted): where the long-lived
+        sessions sit, for placing a request no engine has a reason to take."""
+        if not self._served:
+            return 0.0
+        return self._served * math.exp(-(now - self._served_at) / SERVED_WINDOW_S)
 
     def own(self, now: float) -> float:
         """This replica's load there, for the load guard: in flight and sent lately, weighed."""
@@ -172,6 +183,7 @@ class SessionAffinityScorer:
 
 
 RECENT_WINDOW_S = 5.0
+SERVED_WINDOW_S = 30.0
 CACHED_REQUEST_WEIGHT = 0.25
 
 
@@ -232,6 +244,12 @@ class Picker:
     def pick(self, deployment: DeploymentInfo, candidates: list[Candidate], totals: list[float]) -> Candidate:
         best = max(totals)
         tied = [c for c, total in zip(candidates, totals, strict=True) if total >= best - 1e-9]
+        if len(tied) > 1:
+            # Among equals, the engines that were sent the least lately: a new session goes where fewer live.
+            now = time.monotonic()
+            served = [c.load.served(now) for c in tied]
+            least = min(served)
+            tied = [c for c, s in zip(tied, served, strict=True) if s <= least + 0.5]
         turn = next(self._turns.setdefault(deployment.id, itertools.count()))
         return tied[turn % len(tied)]
 

@@ -46,6 +46,25 @@ def test_new_sessions_spread_over_engines_that_hold_only_the_shared_system_promp
     assert chosen == {i: 2 for i in range(8)}  # every engine, evenly
 
 
+def test_a_new_session_goes_where_fewer_requests_were_sent_lately():
+    # Sessions stick to the engine holding their context, so where a new one lands decides the balance for
+    # its whole life: among engines that score the same, the ones sent the fewest requests lately come first.
+    dep = deployment(8)
+    pipeline = Pipeline()
+    loads = {i: EndpointLoad() for i in range(8)}
+    now = time.monotonic()
+    for i in range(4):  # engines 0-3 serve live sessions (nothing in flight at this instant)
+        for _ in range(6):
+            loads[i].assigned(now, RECENT_WINDOW_S)
+    chosen = Counter()
+    for _ in range(8):
+        ctx = RequestContext(model="tiny", block_keys=["k"] * 25, block_count=25, held={})
+        pick, _ = pipeline.choose(dep, ctx, loads)
+        pick.load.assigned(time.monotonic(), RECENT_WINDOW_S)  # as the router does on sending
+        chosen[pick.endpoint.id] += 1
+    assert chosen == {4: 2, 5: 2, 6: 2, 7: 2}
+
+
 def test_a_conversation_stays_with_its_holder_while_it_has_a_request_in_flight():
     dep = deployment(4)
     loads = {i: EndpointLoad() for i in range(4)}
