@@ -353,6 +353,11 @@ def summarize(results: list[dict], before: list[dict], after: list[dict], ceilin
     wall = max((r["done"] for r in ok), default=0) - min((r["sent"] for r in ok), default=0)
     share = hits / queries if queries else float("nan")
     ttfts = [r["ttft"] for r in ok]
+    # What each request's TTFT would be with no queue in front of it: its own uncached prefill on the engine
+    # it went to (the simulator's timing), so TTFT above this is waiting behind other requests.
+    per_token = float(SIM_TIMING["--prefill-time-per-token"])
+    overhead = float(SIM_TIMING["--prefill-overhead"])
+    own_prefill = [overhead + max(0, r.get("prompt", 0) - r.get("cached", 0)) * per_token for r in ok]
     errors = [r for r in results if not r.get("ok")]
     return {
         "requests": len(results),
@@ -364,6 +369,7 @@ def summarize(results: list[dict], before: list[dict], after: list[dict], ceilin
         "ttft_p50": pct(ttfts, 0.5) * 1000,
         "ttft_p90": pct(ttfts, 0.9) * 1000,
         "ttft_mean": statistics.mean(ttfts) * 1000 if ttfts else float("nan"),
+        "own_prefill_p90": pct(own_prefill, 0.9) * 1000,
         "rps": len(ok) / wall if wall else float("nan"),
         "tps": prompt / wall if wall else float("nan"),
         "per_engine": per_engine,
@@ -668,7 +674,8 @@ def main(argv: list[str]) -> int:
                     log(f"{name:<12} {policy:<24} decisions: {decision_summary(f'routing-router-{tag}')}")
                 log(
                     f"{name:<12} {policy:<24} hit {s['hit_share']:.3f} ({s['of_ceiling']:.0%} of ceiling; "
-                    f"usage {s['usage_hit_share']:.3f}; timed ceiling {s['timed_ceiling']:.3f})  TTFT p50 {s['ttft_p50']:.0f} p90 {s['ttft_p90']:.0f} ms  "
+                    f"usage {s['usage_hit_share']:.3f}; timed ceiling {s['timed_ceiling']:.3f})  TTFT p50 {s['ttft_p50']:.0f} p90 {s['ttft_p90']:.0f} ms "
+                    f"(own prefill p90 {s['own_prefill_p90']:.0f})  "
                     f"{s['rps']:.1f} req/s  max/mean {s['max_mean']:.2f} {s['per_engine']}  errors {s['errors']} "
                     f"{s['error_sample']}  ({elapsed:.0f} s)"
                 )
@@ -758,6 +765,9 @@ def report(args, argv, rows, meta, policies, loads) -> str:
         "the reuse that no router can get because a turn or sub-agent arrives while the prompt it extends is still "
         "queued or prefilling (sub-agents of a burst; trace requests sharing a prefix without continuing one "
         "another).",
+        "- Own prefill p90: the p90 over requests of the prefill each one needed on the engine it went to (its "
+        "uncached prompt tokens at the simulator's per-token time, plus the fixed overhead): its TTFT with no queue "
+        "in front of it. TTFT above it is time spent waiting behind other requests' prefills.",
         f"- Our router at commit {git_head()}.",
     ]
     for name, m in meta.items():
@@ -780,8 +790,9 @@ def report(args, argv, rows, meta, policies, loads) -> str:
     lines += [
         "",
         "| workload | policy | prefix-hit share (engines) | of ceiling | of fleet LRU | of timed ceiling | "
-        "TTFT p50 / p90 (ms) | req/s | prompt tok/s | requests per engine max/mean | errors |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "TTFT p50 / p90 (ms) | own prefill p90 (ms) | req/s | prompt tok/s | requests per engine max/mean | "
+        "errors |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name in loads:
         for policy in policies:
@@ -789,13 +800,14 @@ def report(args, argv, rows, meta, policies, loads) -> str:
             if s is None:
                 continue
             if "skipped" in s:
-                lines.append(f"| {name} | {policy} | skipped: {s['skipped']} | | | | | | | | |")
+                lines.append(f"| {name} | {policy} | skipped: {s['skipped']} | | | | | | | | | |")
                 continue
             lru = meta[name]["lru_fleet"]
             lines.append(
                 f"| {name} | {policy} | {cell(s, 'hit_share', 1, pct=True)} | {s['of_ceiling']:.0%} | "
                 f"{s['hit_share'] / lru:.0%} | {s['hit_share'] / s['timed_ceiling']:.0%} of "
-                f"{s['timed_ceiling']:.1%} | {fmt(s['ttft_p50'], 0)} / {cell(s, 'ttft_p90', 0)} | {fmt(s['rps'])} | "
+                f"{s['timed_ceiling']:.1%} | {fmt(s['ttft_p50'], 0)} / {cell(s, 'ttft_p90', 0)} | "
+                f"{fmt(s['own_prefill_p90'], 0)} | {fmt(s['rps'])} | "
                 f"{fmt(s['tps'], 0)} | {cell(s, 'max_mean', 2)} | {s['errors']} |"
             )
     lines += [

@@ -13,6 +13,7 @@ class RoutingPolicyAdmin(AuditedAdmin):
         "mode",
         "prefix_weight",
         "queue_weight",
+        "prefill_backlog_weight",
         "kv_utilization_weight",
         "session_affinity_weight",
         "pd_split_threshold_tokens",

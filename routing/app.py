@@ -15,6 +15,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
+from typing import NamedTuple
 
 import orjson
 from asgiref.sync import sync_to_async
@@ -25,7 +26,7 @@ from redis.exceptions import RedisError
 from . import metrics
 from .admission import Admission, cost_units
 from .dialects import ANTHROPIC, OPENAI, RESPONSES, Dialect, Usage
-from .disagg import decode_body, plan_disaggregated, plan_peer_pull, prefill_body
+from .disagg import decode_body, plan_disaggregated, plan_peer_pull, prefill_body, uncached_tokens
 from .finisher import Finisher
 from .load_scraper import LOAD_KEY
 from .pipeline import (
@@ -65,25 +66,34 @@ REPLICA_LOAD_TTL_S = 10
 REPLICA_LOAD_MAX_AGE_S = 3.0
 
 
-def others_load(published: dict, replica_id: str, now: float) -> tuple[float, int, list[bytes]]:
-    """The other replicas' weighted load and requests in flight at an endpoint, from their fields in its hash
-    (`"<load> <in flight> <unix time>"`), and the fields to delete: older than REPLICA_LOAD_MAX_AGE_S (a
-    replica that died without withdrawing its field) or unreadable."""
-    load, active, stale = 0.0, 0, []
+class OthersLoad(NamedTuple):
+    load: float  # their weighted load (EndpointLoad.own) there
+    active: int  # their requests in flight there
+    prefill: float  # their prefill backlog there, in uncached prompt tokens
+    stale: list[
+        bytes
+    ]  # fields to delete: older than REPLICA_LOAD_MAX_AGE_S (a replica that died) or unreadable
+
+
+def others_load(published: dict, replica_id: str, now: float) -> OthersLoad:
+    """What the other replicas have at an endpoint, from their fields in its hash
+    (`"<load> <in flight> <unix time> <prefill backlog>"`)."""
+    load, active, prefill, stale = 0.0, 0, 0.0, []
     mine = replica_id.encode()
     for field, value in published.items():
         if field == mine:
             continue
         try:
-            weighted, in_flight, at = value.split()
+            weighted, in_flight, at, backlog = value.split()
             if now - float(at) <= REPLICA_LOAD_MAX_AGE_S:
                 load += float(weighted)
                 active += int(in_flight)
+                prefill += float(backlog)
                 continue
         except ValueError:
             pass
         stale.append(field)
-    return load, active, stale
+    return OthersLoad(load, active, prefill, stale)
 
 
 class ClientGone(Exception):
@@ -181,7 +191,7 @@ class Router:
                 load = self.loads.get(endpoint.id)
                 own = load.own(now) if load is not None else 0.0
                 if load is not None and (load.active or own > 0.01):
-                    pipe.hset(key, self.replica_id, f"{own:.3f} {load.active} {wall:.3f}")
+                    pipe.hset(key, self.replica_id, f"{own:.3f} {load.active} {wall:.3f} {load.prefill:.0f}")
                 else:
                     pipe.hdel(key, self.replica_id, *stale.pop(key, ()))
                 pipe.expire(key, REPLICA_LOAD_TTL_S)
@@ -195,9 +205,10 @@ class Router:
             load.running = float(row.get(b"running", 0))
             load.waiting = float(row.get(b"waiting", 0))
             load.kv_usage = float(row.get(b"kv_usage", 0))
-            load.others, load.others_active, dead = others_load(published, self.replica_id, wall)
-            if dead:
-                self._stale_loads[REPLICA_LOAD_KEY.format(endpoint.id)] = dead
+            others = others_load(published, self.replica_id, wall)
+            load.others, load.others_active, load.others_prefill = others.load, others.active, others.prefill
+            if others.stale:
+                self._stale_loads[REPLICA_LOAD_KEY.format(endpoint.id)] = others.stale
 
     async def _refresh_forever(self) -> None:
         """Loads every ROUTER_LOAD_SHARE_SECONDS; the configuration version every ROUTER_CONFIG_POLL_SECONDS."""
@@ -492,6 +503,11 @@ class Exchange:
         self.endpoint_url = ""
         self.endpoint_name = ""
         self.first_byte_at: float | None = None
+        # While the chosen engine prefills this prompt: its load, and the tokens added to its prefill backlog.
+        self._prefilling: tuple[EndpointLoad, float] | None = None
+        self.prefilled_remotely = (
+            False  # a prefill engine computed the prompt; the decode engine pulls its KV
+        )
         self.streamed_events = 0
         self.ctx = ctx
         self.predicted_cached = 0
@@ -556,6 +572,13 @@ class Exchange:
             weight = request_weight(self.ctx.prompt_tokens_estimate, self.predicted_cached)
             load.begin(weight)
             load.assigned(time.monotonic(), RECENT_WINDOW_S, weight)
+            # The engine's prefill backlog grows by what it must compute of this prompt (nothing when a prefill
+            # engine computed it), until the first token comes back.
+            uncached = (
+                0 if self.prefilled_remotely else self.ctx.prompt_tokens_estimate - self.predicted_cached
+            )
+            self._prefilling = load, float(max(0, uncached))
+            load.prefill += self._prefilling[1]
             try:
                 if await self._try(endpoint.url, body):
                     return
@@ -566,6 +589,7 @@ class Exchange:
                 metrics.of(metrics.errors, self.model, "connect").inc()
             finally:
                 load.end(weight)
+                self._prefill_done()
         self.http_status = 503 if not tried else 502
         metrics.of(metrics.errors, self.model, "unavailable").inc()
         await _respond(
@@ -579,6 +603,7 @@ class Exchange:
 
     async def _prefill_elsewhere(self, decode: Candidate, candidates: list[Candidate]) -> bytes:
         """Run the prefill leg on another engine when the plan says so; the body for the decode engine."""
+        self.prefilled_remotely = False
         if self.dialect is not OPENAI or self.scope["path"] not in DISAGG_PATHS or self.pd_done:
             return self.body
 
@@ -599,11 +624,14 @@ class Exchange:
         if params is None:
             metrics.of(metrics.errors, self.model, "prefill_leg").inc()
             return self.body  # the decode engine prefills itself
+        self.prefilled_remotely = True
         return decode_body(self.payload, params)
 
     async def _prefill_leg(self, endpoint: EndpointInfo) -> dict | None:
         load = self.router.loads.setdefault(endpoint.id, EndpointLoad())
         load.begin()
+        backlog = float(uncached_tokens(self.deployment, self.ctx, endpoint.id))
+        load.prefill += backlog
         try:
             async with self.router.upstream.post(
                 endpoint.url + self.scope["path"], prefill_body(self.payload), self._upstream_headers()
@@ -617,6 +645,7 @@ class Exchange:
             return None
         finally:
             load.end()
+            load.prefill -= backlog
         params = answer.get("kv_transfer_params")
         if not isinstance(params, dict) or not params.get("do_remote_prefill"):
             return None
@@ -696,6 +725,8 @@ class Exchange:
                 if out:
                     self._first_byte()
                     await self.send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
+                if self.streamed_events and self._prefilling is not None:
+                    self._prefill_done()  # the first token: the engine's prefill of this prompt is over
         except UpstreamError as exc:
             # The engine died mid-stream: tell the client in its dialect, bill what was streamed.
             metrics.of(metrics.errors, self.model, "midstream").inc()
@@ -720,6 +751,12 @@ class Exchange:
         self.status = "completed"
         await self.complete()
         await self.send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def _prefill_done(self) -> None:
+        if self._prefilling is not None:
+            load, tokens = self._prefilling
+            load.prefill -= tokens
+            self._prefilling = None
 
     def _first_byte(self) -> None:
         if self.first_byte_at is None:

@@ -28,6 +28,12 @@ class RoutingPolicy(models.Model):
     mode = models.CharField(max_length=16, choices=RoutingMode.choices, default=RoutingMode.PRECISE)
     prefix_weight = models.FloatField(default=3.0, validators=[MinValueValidator(0.0)])
     queue_weight = models.FloatField(default=2.0, validators=[MinValueValidator(0.0)])
+    prefill_backlog_weight = models.FloatField(
+        default=1.0,
+        validators=[MinValueValidator(0.0)],
+        help_text="Weight of the prefill already queued at an endpoint (uncached prompt tokens still waiting for "
+        "a first token), against this prompt's length.",
+    )
     kv_utilization_weight = models.FloatField(default=1.0, validators=[MinValueValidator(0.0)])
     session_affinity_weight = models.FloatField(default=1.0, validators=[MinValueValidator(0.0)])
     gpu_tier_weight = models.FloatField(default=1.0, validators=unit_interval)
@@ -49,6 +55,7 @@ class RoutingPolicy(models.Model):
                 condition=Q(
                     prefix_weight__gte=0,
                     queue_weight__gte=0,
+                    prefill_backlog_weight__gte=0,
                     kv_utilization_weight__gte=0,
                     session_affinity_weight__gte=0,
                 ),

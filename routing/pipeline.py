@@ -42,6 +42,10 @@ class EndpointLoad:
     work: float = 0.0  # requests in flight there, each weighed by the prefill it brings (request_weight)
     others: float = 0.0  # own() of the other router replicas there, as they last published it
     others_active: int = 0  # their requests in flight there
+    prefill: float = (
+        0.0  # prefill backlog: uncached prompt tokens of this replica's requests awaiting a first token
+    )
+    others_prefill: float = 0.0  # the other replicas' prefill backlog there
     _recent: float = 0.0
     _recent_at: float = 0.0
     _served: float = 0.0
@@ -122,6 +126,21 @@ class QueueScorer:
         depths = [c.load.active + c.load.others_active + c.load.waiting for c in candidates]
         worst = max(max(depths), QUEUE_DEPTH_SCALE)
         return [1.0 - depth / worst for depth in depths]
+
+
+class PrefillBacklogScorer:
+    """Less prefill queued ahead scores higher: the uncached prompt tokens of the requests sent there (by every
+    router replica) that have not had a first token yet, against this prompt's length or the longest backlog,
+    whichever is more. Counted in the prompt's own length, as the prefix score is, the two trade like for like:
+    the time to first token is the prefill waited for plus the prefill the request brings. The queue score counts
+    requests; this counts the work in front of this one."""
+
+    name = "prefill"
+
+    def score(self, ctx, candidates, policy):
+        backlogs = [c.load.prefill + c.load.others_prefill for c in candidates]
+        scale = max(max(backlogs), ctx.prompt_tokens_estimate, 1)
+        return [1.0 - b / scale for b in backlogs]
 
 
 class KvUtilizationScorer:
@@ -217,6 +236,7 @@ def load_guard(candidates: list[Candidate], ratio: float) -> None:
 
 LOAD_SCORERS: list[tuple[Scorer, str]] = [
     (QueueScorer(), "queue_weight"),
+    (PrefillBacklogScorer(), "prefill_backlog_weight"),
     (KvUtilizationScorer(), "kv_utilization_weight"),
 ]
 AFFINITY: list[tuple[Scorer, str]] = [(SessionAffinityScorer(), "session_affinity_weight")]
@@ -230,6 +250,7 @@ MODE_SCORERS: dict[str, list[tuple[Scorer, str]]] = {
 WEIGHT_OF = {
     "prefix": "prefix_weight",
     "queue": "queue_weight",
+    "prefill": "prefill_backlog_weight",
     "kv_utilization": "kv_utilization_weight",
     "session": "session_affinity_weight",
 }

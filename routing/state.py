@@ -42,6 +42,7 @@ class PolicyInfo:
     mode: str = "round_robin"
     prefix_weight: float = 3.0
     queue_weight: float = 2.0
+    prefill_backlog_weight: float = 1.0
     kv_utilization_weight: float = 1.0
     session_affinity_weight: float = 1.0
     gpu_tier_weight: float = 1.0
@@ -159,15 +160,16 @@ def load_snapshot(version: str = "") -> Snapshot:
             max_model_len=deployment.max_model_len,
             block_size=deployment.block_size,
             policy=PolicyInfo(
-                policy.mode,
-                policy.prefix_weight,
-                policy.queue_weight,
-                policy.kv_utilization_weight,
-                policy.session_affinity_weight,
-                policy.gpu_tier_weight,
-                policy.cpu_tier_weight,
-                policy.load_guard_ratio,
-                policy.pd_split_threshold_tokens,
+                mode=policy.mode,
+                prefix_weight=policy.prefix_weight,
+                queue_weight=policy.queue_weight,
+                prefill_backlog_weight=policy.prefill_backlog_weight,
+                kv_utilization_weight=policy.kv_utilization_weight,
+                session_affinity_weight=policy.session_affinity_weight,
+                gpu_tier_weight=policy.gpu_tier_weight,
+                cpu_tier_weight=policy.cpu_tier_weight,
+                load_guard_ratio=policy.load_guard_ratio,
+                pd_split_threshold_tokens=policy.pd_split_threshold_tokens,
             )
             if policy
             else PolicyInfo(),

@@ -14,6 +14,7 @@ class RoutingPolicySerializer(ModelCleanMixin, serializers.ModelSerializer):
             "mode",
             "prefix_weight",
             "queue_weight",
+            "prefill_backlog_weight",
             "kv_utilization_weight",
             "session_affinity_weight",
             "gpu_tier_weight",

@@ -301,9 +301,8 @@ class SimulatorApp:
                         "finish_reason": None,
                     }
                 ]
+                # Sent with the first token, as vLLM sends it: from its first output, after the prefill.
                 pending.append(chunk(role, prompt_token_ids=None, prompt_text=None))
-                if not coalesce:
-                    await response.write(pending.pop())
             produced = 0
             async for token in generator:
                 produced += 1

@@ -33,17 +33,21 @@ def test_each_replica_sees_the_load_the_other_sends_to_an_endpoint():
             busy = a.loads.setdefault(901, EndpointLoad())
             for _ in range(3):
                 busy.begin(1.0)
+            busy.prefill = 6000.0  # their prompts' uncached tokens, no first token yet
             await a._refresh_loads()  # publishes
             await b._refresh_loads()  # reads
             assert b.loads[901].others_active == 3 and b.loads[901].others >= 3.0
+            assert b.loads[901].others_prefill == 6000.0
             assert b.loads[902].others == 0 and b.loads[902].others_active == 0
             assert a.loads[901].others == 0  # its own field is not counted twice
             for _ in range(3):
                 busy.end(1.0)
+            busy.prefill = 0.0
             busy._recent = 0.0
             await a._refresh_loads()  # an idle replica withdraws its field
             await b._refresh_loads()
             assert b.loads[901].others_active == 0 and b.loads[901].others == 0
+            assert b.loads[901].others_prefill == 0
         finally:
             for router in (a, b):
                 await router.redis.aclose()
@@ -54,12 +58,12 @@ def test_each_replica_sees_the_load_the_other_sends_to_an_endpoint():
 def test_stale_and_malformed_fields_do_not_count():
     now = time.time()
     published = {
-        b"me": f"9 9 {now}".encode(),
-        b"other": f"2.5 2 {now - 1}".encode(),
-        b"gone": f"7 7 {now - REPLICA_LOAD_MAX_AGE_S - 1}".encode(),
+        b"me": f"9 9 {now} 100".encode(),
+        b"other": f"2.5 2 {now - 1} 4096".encode(),
+        b"gone": f"7 7 {now - REPLICA_LOAD_MAX_AGE_S - 1} 50".encode(),
         b"junk": b"not a load",
     }
-    assert others_load(published, "me", now) == (2.5, 2, [b"gone", b"junk"])
+    assert others_load(published, "me", now) == (2.5, 2, 4096.0, [b"gone", b"junk"])
 
 
 def test_a_dead_replicas_field_is_deleted_by_the_next_replica_that_sees_it():
@@ -70,7 +74,7 @@ def test_a_dead_replicas_field_is_deleted_by_the_next_replica_that_sees_it():
         key = REPLICA_LOAD_KEY.format(901)
         try:
             await a.redis.delete(key)
-            await a.redis.hset(key, "crashed", f"5 5 {time.time() - REPLICA_LOAD_MAX_AGE_S - 1}")
+            await a.redis.hset(key, "crashed", f"5 5 {time.time() - REPLICA_LOAD_MAX_AGE_S - 1} 0")
             await a._refresh_loads()  # sees it, does not count it
             assert a.loads[901].others == 0
             await a._refresh_loads()  # deletes it

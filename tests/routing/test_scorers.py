@@ -93,6 +93,26 @@ def test_the_queue_score_counts_requests_other_router_replicas_have_in_flight():
     assert pick.endpoint.id == 1
 
 
+def test_a_long_prefill_in_progress_sends_the_next_cold_prompt_elsewhere():
+    # Both engines have one request in flight; engine 0's is still computing a 20,000-token prompt, engine 1's
+    # is decoding. A cold 8,000-token prompt would wait behind that prefill on engine 0.
+    dep = deployment(2)
+    loads = {0: EndpointLoad(active=1, prefill=20_000), 1: EndpointLoad(active=1)}
+    ctx = RequestContext(model="tiny", prompt_tokens_estimate=8000, block_keys=["k"] * 62, block_count=62)
+    pick, candidates = Pipeline().choose(dep, ctx, loads)
+    assert candidates[0].scores["queue"] == candidates[1].scores["queue"]  # the same count of requests
+    assert candidates[0].scores["prefill"] == 0.0 and candidates[1].scores["prefill"] == 1.0
+    assert pick.endpoint.id == 1
+
+
+def test_the_prefill_backlog_is_counted_in_the_prompts_own_length_and_from_every_replica():
+    dep = deployment(3)
+    loads = {0: EndpointLoad(prefill=1000), 1: EndpointLoad(others_prefill=2000), 2: EndpointLoad()}
+    ctx = RequestContext(model="tiny", prompt_tokens_estimate=4000, block_keys=["k"] * 31, block_count=31)
+    _, candidates = Pipeline().choose(dep, ctx, loads)
+    assert [c.scores["prefill"] for c in candidates] == [0.75, 0.5, 1.0]
+
+
 def test_the_load_guard_weighs_requests_by_the_prefill_they_bring():
     assert request_weight(1000, 0) == 1.0
     assert request_weight(1000, 1000) == 0.25
