@@ -70,9 +70,8 @@ class OthersLoad(NamedTuple):
     load: float  # their weighted load (EndpointLoad.own) there
     active: int  # their requests in flight there
     prefill: float  # their prefill backlog there, in uncached prompt tokens
-    stale: list[
-        bytes
-    ]  # fields to delete: older than REPLICA_LOAD_MAX_AGE_S (a replica that died) or unreadable
+    # Fields to delete: older than REPLICA_LOAD_MAX_AGE_S (a replica that died) or unreadable.
+    stale: list[bytes]
 
 
 def others_load(published: dict, replica_id: str, now: float) -> OthersLoad:
@@ -505,9 +504,8 @@ class Exchange:
         self.first_byte_at: float | None = None
         # While the chosen engine prefills this prompt: its load, and the tokens added to its prefill backlog.
         self._prefilling: tuple[EndpointLoad, float] | None = None
-        self.prefilled_remotely = (
-            False  # a prefill engine computed the prompt; the decode engine pulls its KV
-        )
+        # True once a prefill engine computed the prompt and the decode engine is to pull its KV.
+        self.prefilled_remotely = False
         self.streamed_events = 0
         self.ctx = ctx
         self.predicted_cached = 0
