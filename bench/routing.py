@@ -31,6 +31,7 @@ import datetime as dt
 import itertools
 import json
 import os
+import shlex
 import signal
 import statistics
 import sys
@@ -727,7 +728,7 @@ def cell(s: dict, key: str, digits: int, scale: float = 1.0, pct: bool = False) 
 
 def report(args, argv, rows, meta, policies, loads) -> str:
     when = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    command = (".venv/bin/python bench/routing.py " + " ".join(argv)).strip()
+    command = (".venv/bin/python bench/routing.py " + shlex.join(argv)).strip()
     routers = "one uvicorn worker"
     if args.router_replicas > 1:
         routers = (
@@ -750,7 +751,7 @@ def report(args, argv, rows, meta, policies, loads) -> str:
         + ", ".join(f"`{k} {v}`" for k, v in SIM_TIMING.items())
         + f", `--max-model-len {MAX_MODEL_LEN}`, KV events with a replay socket; the KV-event ingester running; "
         "engines' /metrics scraped into Redis every second. Nothing pinned (2 cores shared by everything).",
-        f"- Router: {routers}, DEBUG off, policy defaults (prefix 3, queue 2, kv_utilization 1, "
+        f"- Router: {routers}, DEBUG off, policy defaults (prefix 3, queue 2, prefill backlog 1, kv_utilization 1, "
         f"session 1, load guard 1.3){', overridden: ' + ' '.join(args.set) if args.set else ''}"
         f"{', from ' + args.router_root if args.router_root else ''}, "
         f"`ROUTER_APPROX_BLOCKS_PER_ENDPOINT={kv}`; restarted for every policy; "
