@@ -257,7 +257,8 @@ WEIGHT_OF = {
 
 
 class Picker:
-    """Highest weighted score wins; ties go round-robin, so equal endpoints share the load evenly."""
+    """Highest weighted score wins. Among equals, the endpoints sent the fewest requests lately (within half a
+    request of the fewest) and, among those, round-robin, so equal endpoints share the load evenly."""
 
     def __init__(self):
         self._turns: dict[int, itertools.count] = {}
