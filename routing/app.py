@@ -124,9 +124,8 @@ class Router:
         self.max_attempts = settings.ROUTER_MAX_ATTEMPTS
         self.poll_interval = settings.ROUTER_CONFIG_POLL_SECONDS
         self.load_share_interval = min(settings.ROUTER_LOAD_SHARE_SECONDS, self.poll_interval)
-        self._stale_loads: dict[
-            str, list[bytes]
-        ] = {}  # replica-load fields of dead replicas, deleted next trade
+        # Replica-load fields of replicas that died, per key: deleted at the next trade.
+        self._stale_loads: dict[str, list[bytes]] = {}
         self.snapshot_max_age = settings.ROUTER_SNAPSHOT_MAX_AGE
         self.connect_timeout = settings.ROUTER_CONNECT_TIMEOUT
         self.pepper = settings.API_KEY_PEPPER.encode()
@@ -192,10 +191,10 @@ class Router:
                 if load is not None and (load.active or own > 0.01):
                     pipe.hset(key, self.replica_id, f"{own:.3f} {load.active} {wall:.3f} {load.prefill:.0f}")
                 else:
-                    pipe.hdel(key, self.replica_id, *stale.pop(key, ()))
+                    pipe.hdel(key, self.replica_id)
                 pipe.expire(key, REPLICA_LOAD_TTL_S)
                 pipe.hgetall(key)
-            for key, fields in stale.items():  # at endpoints this replica loads now: a command of their own
+            for key, fields in stale.items():
                 pipe.hdel(key, *fields)
             replies = await pipe.execute()
         for index, endpoint in enumerate(endpoints):
@@ -571,7 +570,7 @@ class Exchange:
             load.begin(weight)
             load.assigned(time.monotonic(), RECENT_WINDOW_S, weight)
             # The engine's prefill backlog grows by what it must compute of this prompt (nothing when a prefill
-            # engine computed it), until the first token comes back.
+            # engine computed it), until the first token streams back; an answer not streamed holds it to its end.
             uncached = (
                 0 if self.prefilled_remotely else self.ctx.prompt_tokens_estimate - self.predicted_cached
             )

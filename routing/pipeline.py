@@ -42,9 +42,8 @@ class EndpointLoad:
     work: float = 0.0  # requests in flight there, each weighed by the prefill it brings (request_weight)
     others: float = 0.0  # own() of the other router replicas there, as they last published it
     others_active: int = 0  # their requests in flight there
-    prefill: float = (
-        0.0  # prefill backlog: uncached prompt tokens of this replica's requests awaiting a first token
-    )
+    # Prefill backlog: the uncached prompt tokens of this replica's requests there awaiting a first token.
+    prefill: float = 0.0
     others_prefill: float = 0.0  # the other replicas' prefill backlog there
     _recent: float = 0.0
     _recent_at: float = 0.0

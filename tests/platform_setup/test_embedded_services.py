@@ -23,20 +23,25 @@ print(json.dumps({"pg": version, "pgdata": data_dir, "redis": os.environ["REDIS_
 """
 
 
+def devstack_exec(code: str, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """`python -m inference_platform.devstack exec -- python -c CODE`, as `make run` and `make test` use it."""
+    return subprocess.run(
+        [sys.executable, "-m", "inference_platform.devstack", "exec", "--", sys.executable, "-c", code],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def test_it_starts_real_postgres_and_redis_and_stops_them_after():
     # Under the project (not /tmp/pytest-of-root, which the PostgreSQL system user cannot enter).
     state = ROOT / ".local" / f"test-embedded-{uuid.uuid4().hex[:8]}"
     env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
     env["PLATFORM_STATE_DIR"] = str(state)
     try:
-        result = subprocess.run(
-            [sys.executable, "-m", "inference_platform.devstack", "exec", "--", sys.executable, "-c", PROBE],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=180,
-        )
+        result = devstack_exec(PROBE, env, timeout=180)
         assert result.returncode == 0, result.stderr
         seen = json.loads(result.stdout.strip().splitlines()[-1])
         assert seen["pg"].startswith("16") and seen["ping"] is True
@@ -52,23 +57,7 @@ def test_it_starts_real_postgres_and_redis_and_stops_them_after():
 
 def test_it_passes_the_exit_code_of_the_command_through():
     env = {**os.environ, "DATABASE_URL": os.environ["DATABASE_URL"], "REDIS_URL": os.environ["REDIS_URL"]}
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "inference_platform.devstack",
-            "exec",
-            "--",
-            sys.executable,
-            "-c",
-            "raise SystemExit(7)",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = devstack_exec("raise SystemExit(7)", env, timeout=60)
     assert result.returncode == 7
 
 
@@ -88,23 +77,7 @@ def run_embedded_redis_twice(persist: str) -> list[str]:
     seen = []
     try:
         for _ in range(2):
-            result = subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "inference_platform.devstack",
-                    "exec",
-                    "--",
-                    sys.executable,
-                    "-c",
-                    REMEMBER,
-                ],
-                cwd=ROOT,
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=60,
-            )
+            result = devstack_exec(REMEMBER, env, timeout=60)
             assert result.returncode == 0, result.stderr
             seen.append(result.stdout.strip().splitlines()[-1])
     finally:

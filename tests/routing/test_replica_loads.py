@@ -23,12 +23,17 @@ def snapshot() -> Snapshot:
     return Snapshot(deployments={"tiny": deployment})
 
 
+def replica() -> Router:
+    """One router replica's state on the real Redis, with a two-endpoint snapshot (no server around it)."""
+    router = Router()
+    router.redis = router_redis(settings.REDIS_URL, 4)
+    router.snapshot = snapshot()
+    return router
+
+
 def test_each_replica_sees_the_load_the_other_sends_to_an_endpoint():
     async def check():
-        a, b = Router(), Router()
-        for router in (a, b):
-            router.redis = router_redis(settings.REDIS_URL, 4)
-            router.snapshot = snapshot()
+        a, b = replica(), replica()
         try:
             busy = a.loads.setdefault(901, EndpointLoad())
             for _ in range(3):
@@ -68,9 +73,7 @@ def test_stale_and_malformed_fields_do_not_count():
 
 def test_a_dead_replicas_field_is_deleted_by_the_next_replica_that_sees_it():
     async def check():
-        a = Router()
-        a.redis = router_redis(settings.REDIS_URL, 4)
-        a.snapshot = snapshot()
+        a = replica()
         key = REPLICA_LOAD_KEY.format(901)
         try:
             await a.redis.delete(key)
@@ -88,10 +91,8 @@ def test_a_dead_replicas_field_is_deleted_by_the_next_replica_that_sees_it():
 
 def test_replicas_trade_loads_more_often_than_they_poll_the_configuration():
     async def check():
-        a, b = Router(), Router()
+        a, b = replica(), replica()
         for router in (a, b):
-            router.redis = router_redis(settings.REDIS_URL, 4)
-            router.snapshot = snapshot()
             router.poll_interval = 60.0  # no configuration poll during the test
             router.load_share_interval = 0.05
         tasks = [asyncio.create_task(r._refresh_forever()) for r in (a, b)]
