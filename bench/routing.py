@@ -489,9 +489,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="log every routing decision of our router and print where prefix blocks were given up",
     )
     p.add_argument(
+        "--requests-out",
+        default=None,
+        metavar="DIR",
+        help="write every request's record (send time, TTFT, prompt and cached tokens) to DIR, one JSON-lines "
+        "file per workload, policy and round",
+    )
+    p.add_argument(
         "--docs", default=None, help="write the section here (default docs/benchmarks.md; none with --quick)"
     )
     return p.parse_args(argv)
+
+
+def write_requests(folder: Path, workload: str, policy: str, round_no: int, results: list[dict]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{workload}-{policy.replace(' ', '_')}-{round_no}.jsonl"
+    with path.open("w") as out:
+        for i, record in enumerate(results):
+            out.write(json.dumps({"i": i, **record}) + "\n")
 
 
 def _interrupt(signum, frame) -> None:
@@ -671,6 +686,8 @@ def main(argv: list[str]) -> int:
                         f"(median {held_back[len(held_back) // 2] * 1000:.0f} ms)"
                     )
                 rows.setdefault((name, policy), []).append(s)
+                if args.requests_out:
+                    write_requests(Path(args.requests_out), name, policy, len(rows[(name, policy)]), results)
                 if args.decision_log and not policy.startswith("vllm-router"):
                     log(f"{name:<12} {policy:<24} decisions: {decision_summary(f'routing-router-{tag}')}")
                 log(

@@ -6,7 +6,7 @@ from django.db import transaction
 
 from serving import services as serving
 from serving.models import EngineKind, ModelDeployment, Pool
-from tenants.audit import audit_record, snapshot
+from tenants.audit import audit_record
 
 SOURCE = "portal"
 
@@ -35,7 +35,7 @@ def deployment_create(
             action="deployment.create",
             instance=deployment,
             source=SOURCE,
-            details={"after": {**snapshot(deployment), "pools": {pool.name: snapshot(pool)}}},
+            details={"after": serving.deployment_snapshot(deployment)},
         )
         serving.deployment_changed(deployment_id=deployment.pk)
     return deployment
@@ -69,7 +69,7 @@ def deployment_delete(*, actor, deployment: ModelDeployment) -> None:
             action="deployment.delete",
             instance=deployment,
             source=SOURCE,
-            details={"before": snapshot(deployment)},
+            details={"before": serving.deployment_snapshot(deployment)},
         )
         deployment.delete()
         serving.deployment_deleted()

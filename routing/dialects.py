@@ -75,9 +75,13 @@ class Dialect:
             bool(usage),
         )
 
+    def carries_usage(self, event: bytes) -> bool:
+        """Whether this stream event is the one with the final usage: a byte test, cheap for every event."""
+        return b'"usage"' in event and b'"choices":[]' in event
+
     def usage_from_event(self, event: bytes) -> Usage | None:
-        """Usage if this stream event carries the final usage, else None. Cheap for every other event."""
-        if b'"usage"' not in event or b'"choices":[]' not in event:
+        """Usage if this stream event carries the final usage, else None."""
+        if not self.carries_usage(event):
             return None
         data = _data_of(event)
         return self.usage_from_body(data) if data else None
@@ -131,11 +135,8 @@ class AnthropicDialect(Dialect):
         prompt = usage.get("input_tokens", 0) + cached + created
         return Usage(prompt, cached, usage.get("output_tokens", 0), bool(usage))
 
-    def usage_from_event(self, event: bytes) -> Usage | None:
-        if b"message_delta" not in event or b'"usage"' not in event:
-            return None
-        data = _data_of(event)
-        return self.usage_from_body(data) if data else None
+    def carries_usage(self, event: bytes) -> bool:
+        return b"message_delta" in event and b'"usage"' in event
 
     def is_usage_only_event(self, event: bytes) -> bool:
         return False
@@ -163,11 +164,8 @@ class ResponsesDialect(Dialect):
             bool(usage),
         )
 
-    def usage_from_event(self, event: bytes) -> Usage | None:
-        if b"response.completed" not in event:
-            return None
-        data = _data_of(event)
-        return self.usage_from_body(data) if data else None
+    def carries_usage(self, event: bytes) -> bool:
+        return b"response.completed" in event
 
     def is_usage_only_event(self, event: bytes) -> bool:
         return False

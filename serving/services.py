@@ -9,10 +9,20 @@ from collections.abc import Iterator
 from django.db import connection, transaction
 from django.utils import timezone
 
+from tenants.audit import snapshot
+
 from .models import Endpoint, ModelDeployment, ObservedStatus, OrchestratorKind
 from .orchestrators import ORCHESTRATORS, LocalOrchestrator, ReconcileResult, orchestrator_for
 
 log = logging.getLogger(__name__)
+
+
+def deployment_snapshot(deployment: ModelDeployment) -> dict:
+    """A deployment and its pools as the audit log records them, wherever it is changed from."""
+    data = snapshot(deployment)
+    data["pools"] = {pool.name: snapshot(pool) for pool in deployment.pools.order_by("name")}
+    return data
+
 
 # The first key of the PostgreSQL advisory locks that keep two reconciles of one deployment apart.
 RECONCILE_LOCK_CLASS = 0x5E7E

@@ -10,7 +10,18 @@ from dataclasses import dataclass
 
 from django.db.models import Q, QuerySet
 
-from .models import ApiKey, AuditLog, Membership, PriceSheet, Quota, Role, Team, Tenant, UsageRecord
+from .models import (
+    ApiKey,
+    AuditLog,
+    Membership,
+    PriceSheet,
+    Quota,
+    Role,
+    Team,
+    Tenant,
+    UsageDaily,
+    UsageRecord,
+)
 
 
 @dataclass(frozen=True)
@@ -71,6 +82,10 @@ class Access:
 
     def usage_qs(self) -> QuerySet[UsageRecord]:
         return self._team_scoped(UsageRecord.objects.all(), "team")
+
+    def usage_daily_qs(self) -> QuerySet[UsageDaily]:
+        """The daily roll-ups of the usage this user can see (the same rows as usage_qs, summed by day)."""
+        return self._team_scoped(UsageDaily.objects.all(), "team")
 
     def audit_qs(self) -> QuerySet[AuditLog]:
         qs = AuditLog.objects.all()

@@ -182,7 +182,7 @@ def _parts(
         period.end.replace(hour=0, minute=0, second=0, microsecond=0),
     )
     records = access.usage_qs().order_by().filter(**filters)
-    daily = access._team_scoped(UsageDaily.objects.order_by(), "team").filter(**filters)
+    daily = access.usage_daily_qs().order_by().filter(**filters)
     if first_whole < end_whole:
         daily = daily.filter(day__gte=first_whole.date(), day__lt=end_whole.date())
         # Each part its own SELECT, so each can use its index: records the roll-up has not reached yet

@@ -4,7 +4,6 @@ from django.db import transaction
 from django.db.models import Prefetch
 
 from inference_platform.api_base import AuditedModelViewSet
-from tenants.audit import snapshot
 
 from .. import services
 from ..models import ModelDeployment, Pool
@@ -33,9 +32,7 @@ class ModelDeploymentViewSet(AuditedModelViewSet):
         )
 
     def audit_snapshot(self, instance) -> dict:
-        data = snapshot(instance)
-        data["pools"] = {pool.name: snapshot(pool) for pool in instance.pools.order_by("name")}
-        return data
+        return services.deployment_snapshot(instance)
 
     # Every change is followed, once committed, by a reconcile of what runs.
     def perform_create(self, serializer) -> None:

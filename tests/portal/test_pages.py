@@ -152,8 +152,11 @@ def test_operator_creates_scales_and_deletes_a_deployment(world, browser, django
     with django_capture_on_commit_callbacks(execute=False):
         client.post(f"/portal/deployments/{deployment.pk}/delete/")
     assert not ModelDeployment.objects.filter(name="coder").exists()
-    actions = list(AuditLog.objects.filter(source="portal").order_by("id").values_list("action", flat=True))
-    assert actions == ["deployment.create", "deployment.scale", "deployment.delete"]
+    records = list(AuditLog.objects.filter(source="portal").order_by("id"))
+    assert [r.action for r in records] == ["deployment.create", "deployment.scale", "deployment.delete"]
+    # The audit records a deployment with its pools, as the REST API's records do.
+    assert records[0].details["after"]["pools"]["main"]["replicas"] == 1
+    assert records[2].details["before"]["pools"]["main"]["replicas"] == 3
     assert browser(world.admin_a).post("/portal/deployments/new/", data).status_code == 403
 
 
