@@ -255,16 +255,26 @@ WEIGHT_OF = {
 }
 
 
+def tie_margin(policy: PolicyInfo) -> float:
+    """How far below the best total a candidate still counts as its equal: what one more request in flight
+    costs in the queue score (0.5 at the default weights). Differences that small are of the moment (a request
+    that ends in a few milliseconds, a few percent of KV cache), while a new session keeps coming back to where
+    it lands, so they should not decide where it lands."""
+    return policy.queue_weight / QUEUE_DEPTH_SCALE
+
+
 class Picker:
-    """Highest weighted score wins. Among equals, the endpoints sent the fewest requests lately (within half a
-    request of the fewest) and, among those, round-robin, so equal endpoints share the load evenly."""
+    """Highest weighted score wins. Among equals (within tie_margin of the best), the endpoints sent the fewest
+    requests lately (within half a request of the fewest) and, among those, round-robin, so equal endpoints share
+    the load evenly."""
 
     def __init__(self):
         self._turns: dict[int, itertools.count] = {}
 
     def pick(self, deployment: DeploymentInfo, candidates: list[Candidate], totals: list[float]) -> Candidate:
         best = max(totals)
-        tied = [c for c, total in zip(candidates, totals, strict=True) if total >= best - 1e-9]
+        margin = tie_margin(deployment.policy) + 1e-9
+        tied = [c for c, total in zip(candidates, totals, strict=True) if total >= best - margin]
         if len(tied) > 1:
             # Among equals, the engines that were sent the least lately: a new session goes where fewer live.
             now = time.monotonic()

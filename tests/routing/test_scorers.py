@@ -134,3 +134,19 @@ def test_the_load_guard_weighs_requests_by_the_prefill_they_bring():
     assert guarded_after(1.0)  # four fresh prompts: the holder is overloaded, its affinity is dropped
     # Four sub-agents whose context the holder has: light work, it keeps them.
     assert not guarded_after(request_weight(9000, 8500))
+
+
+def test_a_new_session_goes_where_fewer_were_sent_when_the_scores_differ_only_by_a_moment():
+    dep = deployment(2)
+    loads = {0: EndpointLoad(), 1: EndpointLoad(kv_usage=0.06)}  # engine 1 scores a little lower now
+    now = time.monotonic()
+    for _ in range(10):
+        loads[0].assigned(now, RECENT_WINDOW_S)  # but engine 0 was sent ten requests lately
+    ctx = RequestContext(model="tiny", block_keys=["k"] * 10, block_count=10, held={})
+    pick, candidates = Pipeline().choose(dep, ctx, loads)
+    assert candidates[0].scores["kv_utilization"] > candidates[1].scores["kv_utilization"]
+    assert pick.endpoint.id == 1
+    # Two more requests in flight is more than a moment's difference: the score decides.
+    loads[1].active = 2
+    pick, _ = Pipeline().choose(dep, ctx, loads)
+    assert pick.endpoint.id == 0
