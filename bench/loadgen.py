@@ -65,7 +65,7 @@ class Run:
         start = perf()
         self.window_start = start + self.warmup
         self.window_end = self.window_start + self.duration
-        self.connections = [await self.open() for _ in range(self.concurrency)]
+        self.connections = [await asyncio.wait_for(self.open(), 10) for _ in range(self.concurrency)]
         for conn in self.connections:
             conn.fire()
         await asyncio.sleep(max(0.0, self.window_end - perf()))
@@ -183,7 +183,20 @@ def main() -> None:
         if not line.strip():
             continue
         job = json.loads(line)
-        result = uvloop.run(Run(job).execute())
+        run = Run(job)
+        try:
+            # Every point answers, on time: a gateway that refuses or stops answering is an error, not a hang.
+            result = uvloop.run(asyncio.wait_for(run.execute(), run.warmup + run.duration + 30))
+        except (OSError, TimeoutError) as exc:
+            result = {
+                "completed": 0,
+                "errors": 1,
+                "error_samples": [f"the point did not run: {exc!r}"],
+                "reconnects": run.reconnects,
+                "duration": run.duration,
+                "ttfb": [],
+                "total": [],
+            }
         sys.stdout.write(json.dumps(result) + "\n")
         sys.stdout.flush()
 

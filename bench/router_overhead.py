@@ -543,7 +543,6 @@ class LoadGenerator:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=(STATE / "logs" / "loadgen.log").open("wb"),
-            text=True,
         )
 
     def run(self, gw: Gateway, body: bytes, concurrency: int, warmup: float, duration: float) -> dict:
@@ -555,11 +554,12 @@ class LoadGenerator:
             "warmup": warmup,
             "duration": duration,
         }
-        self.proc.stdin.write(json.dumps(job) + "\n")
+        self.proc.stdin.write(json.dumps(job).encode() + b"\n")
         self.proc.stdin.flush()
-        # A point that never answers must not hang the whole run.
-        ready, _, _ = select.select([self.proc.stdout], [], [], warmup + duration + 60)
-        if not ready:
+        # A point that never answers must not hang the whole run: the answer is read from the raw pipe as it
+        # comes, up to a deadline, never with a blocking readline.
+        line = self._read_line(time.monotonic() + warmup + duration + 60)
+        if line is None:
             log(f"no answer from the load generator for {gw.name} at c={concurrency}; restarting it")
             self.procs.stop(self.proc)
             self._start()
@@ -573,10 +573,27 @@ class LoadGenerator:
                 "ttfb": [],
                 "total": [],
             }
-        line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError(f"the load generator died:\n{log_tail('loadgen')}")
         return json.loads(line)
+
+    def _read_line(self, deadline: float) -> bytes | None:
+        """One answer line; b"" if the load generator exited, None if the deadline passed first."""
+        fd = self.proc.stdout.fileno()
+        chunks: list[bytes] = []
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            ready, _, _ = select.select([fd], [], [], left)
+            if not ready:
+                continue
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                return b""
+            chunks.append(chunk)
+            if chunk.endswith(b"\n"):
+                return b"".join(chunks)
 
 
 def pct(values: list[float], q: float) -> float:
