@@ -177,7 +177,13 @@ class Conn(asyncio.Protocol):
 
 
 def main() -> None:
+    import faulthandler
+    import signal
+
     import uvloop
+
+    # The benchmark sends SIGUSR1 before giving up on a point: where this process was stuck goes to its log.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     for line in sys.stdin:
         if not line.strip():

@@ -533,6 +533,7 @@ def smoke(gw: Gateway, body: bytes, timeout: float) -> None:
 class LoadGenerator:
     def __init__(self, procs: Processes):
         self.procs = procs
+        self._restarts = 0
         self._start()
 
     def _start(self) -> None:
@@ -561,7 +562,14 @@ class LoadGenerator:
         line = self._read_line(time.monotonic() + warmup + duration + 60)
         if line is None:
             log(f"no answer from the load generator for {gw.name} at c={concurrency}; restarting it")
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGUSR1)  # its stack, into its log, before it goes
+            time.sleep(0.5)
             self.procs.stop(self.proc)
+            self._restarts += 1
+            kept = STATE / "logs" / f"loadgen-stuck-{self._restarts}.log"
+            (STATE / "logs" / "loadgen.log").replace(kept)
+            log(f"its log, with where it was stuck: {kept}")
             self._start()
             why = "the load generator gave no answer for this point"
             return {
