@@ -534,6 +534,8 @@ class LoadGenerator:
     def __init__(self, procs: Processes):
         self.procs = procs
         self._restarts = 0
+        self._partial = 0
+        self._head = b""
         self._start()
 
     def _start(self) -> None:
@@ -561,7 +563,10 @@ class LoadGenerator:
         # comes, up to a deadline, never with a blocking readline.
         line = self._read_line(time.monotonic() + warmup + duration + 60)
         if line is None:
-            log(f"no answer from the load generator for {gw.name} at c={concurrency}; restarting it")
+            log(
+                f"no answer from the load generator for {gw.name} at c={concurrency} "
+                f"({self._partial} bytes of one; {self._pipe_report()}); restarting it"
+            )
             with contextlib.suppress(ProcessLookupError):
                 self.proc.send_signal(signal.SIGUSR1)  # its stack, into its log, before it goes
             time.sleep(0.5)
@@ -585,6 +590,29 @@ class LoadGenerator:
             raise RuntimeError(f"the load generator died:\n{log_tail('loadgen')}")
         return json.loads(line)
 
+    def _pipe_report(self) -> str:
+        """What the answer pipe looks like from both ends, and who else holds it."""
+        import fcntl
+        import termios
+
+        fd = self.proc.stdout.fileno()
+        try:
+            waiting = int.from_bytes(fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"), "little")
+            ours = os.readlink(f"/proc/self/fd/{fd}")
+            theirs = os.readlink(f"/proc/{self.proc.pid}/fd/1")
+        except OSError as exc:
+            return f"pipe not inspectable: {exc!r}"
+        holders = []
+        for proc_dir in Path("/proc").iterdir():
+            if not proc_dir.name.isdigit():
+                continue
+            with contextlib.suppress(OSError):
+                for link in (proc_dir / "fd").iterdir():
+                    with contextlib.suppress(OSError):
+                        if os.readlink(link) == ours:
+                            holders.append(f"{proc_dir.name}:{link.name}")
+        return f"{waiting} bytes waiting in {ours}, its end {theirs}, held by {holders}; head {self._head!r}"
+
     def _read_line(self, deadline: float) -> bytes | None:
         """One answer line; b"" if the load generator exited, None if the deadline passed first."""
         fd = self.proc.stdout.fileno()
@@ -592,6 +620,8 @@ class LoadGenerator:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
+                self._partial = sum(len(c) for c in chunks)
+                self._head = chunks[0][:40] if chunks else b""
                 return None
             ready, _, _ = select.select([fd], [], [], left)
             if not ready:
