@@ -534,8 +534,6 @@ class LoadGenerator:
     def __init__(self, procs: Processes):
         self.procs = procs
         self._restarts = 0
-        self._partial = 0
-        self._head = b""
         self._start()
 
     def _start(self) -> None:
@@ -561,11 +559,11 @@ class LoadGenerator:
         self.proc.stdin.flush()
         # A point that never answers must not hang the whole run: the answer is read from the raw pipe as it
         # comes, up to a deadline, never with a blocking readline.
-        line = self._read_line(time.monotonic() + warmup + duration + 60)
-        if line is None:
+        complete, line = self._read_line(time.monotonic() + warmup + duration + 60)
+        if complete is False:
             log(
                 f"no answer from the load generator for {gw.name} at c={concurrency} "
-                f"({self._partial} bytes of one; {self._pipe_report()}); restarting it"
+                f"({len(line)} bytes of one, starting {line[:40]!r}; {self._pipe_report()}); restarting it"
             )
             with contextlib.suppress(ProcessLookupError):
                 self.proc.send_signal(signal.SIGUSR1)  # its stack, into its log, before it goes
@@ -586,7 +584,7 @@ class LoadGenerator:
                 "ttfb": [],
                 "total": [],
             }
-        if not line:
+        if complete is None:
             raise RuntimeError(f"the load generator died:\n{log_tail('loadgen')}")
         return json.loads(line)
 
@@ -611,27 +609,26 @@ class LoadGenerator:
                     with contextlib.suppress(OSError):
                         if os.readlink(link) == ours:
                             holders.append(f"{proc_dir.name}:{link.name}")
-        return f"{waiting} bytes waiting in {ours}, its end {theirs}, held by {holders}; head {self._head!r}"
+        return f"{waiting} bytes waiting in {ours}, its end {theirs}, held by {holders}"
 
-    def _read_line(self, deadline: float) -> bytes | None:
-        """One answer line; b"" if the load generator exited, None if the deadline passed first."""
+    def _read_line(self, deadline: float) -> tuple[bool | None, bytes]:
+        """(True, the answer line); (False, what arrived of it) if the deadline passed first; (None, b"") if the
+        load generator exited."""
         fd = self.proc.stdout.fileno()
         chunks: list[bytes] = []
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                self._partial = sum(len(c) for c in chunks)
-                self._head = chunks[0][:40] if chunks else b""
-                return None
+                return False, b"".join(chunks)
             ready, _, _ = select.select([fd], [], [], left)
             if not ready:
                 continue
             chunk = os.read(fd, 1 << 20)
             if not chunk:
-                return b""
+                return None, b""
             chunks.append(chunk)
             if chunk.endswith(b"\n"):
-                return b"".join(chunks)
+                return True, b"".join(chunks)
 
 
 def pct(values: list[float], q: float) -> float:

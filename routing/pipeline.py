@@ -1,7 +1,8 @@
 """Endpoint picking as a pipeline of small plugins, as in llm-d's endpoint picker.
 
 Filters narrow the candidates; each scorer returns a score in [0, 1] per candidate; the policy's weights combine
-them; the picker takes the best, breaking ties in round-robin order. A new scorer is one class and one entry in
+them; the picker takes the best, counting totals within one request in flight of it as equal and sending those
+to the engine sent the fewest requests lately, then round-robin. A new scorer is one class and one entry in
 SCORERS.
 """
 
