@@ -36,7 +36,6 @@ import secrets
 import select
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -48,6 +47,10 @@ from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from inference_platform.ports import free_port  # noqa: E402
+
 STATE = ROOT / ".local" / "bench"
 PYTHON = sys.executable
 MODEL = "tiny-qwen"
@@ -92,12 +95,6 @@ def prompt_body() -> bytes:
 
 def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # --- processes ------------------------------------------------------------------------------------------
@@ -339,7 +336,6 @@ def migrate(env: dict) -> None:
 def create_objects(env: dict, upstream_url: str) -> dict[str, str]:
     """Tenant, two teams (one with a quota), one key each, the deployment and its one healthy endpoint."""
     os.environ.update(env)
-    sys.path.insert(0, str(ROOT))
     import django
 
     django.setup()

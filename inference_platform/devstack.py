@@ -16,13 +16,14 @@ import argparse
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import quote
+
+from inference_platform.ports import free_port
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 DATABASE_NAME = "platform"
@@ -32,12 +33,6 @@ def state_dir() -> Path:
     path = Path(os.environ.get("PLATFORM_STATE_DIR") or BASE_DIR / ".local").resolve()
     path.mkdir(parents=True, exist_ok=True)
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -20,6 +20,7 @@ from django.conf import settings
 from django.utils import timezone
 
 from inference_platform.config_version import bump_config_version_on_commit
+from inference_platform.ports import free_port, port_is_free
 
 from ..engine_command import (
     ENGINE_HOST,
@@ -170,9 +171,9 @@ class LocalOrchestrator(Orchestrator):
             if not needed:
                 return None
             current = _port(address)
-            if current is not None and not (fresh and not processes.port_is_free(current)):
+            if current is not None and not (fresh and not port_is_free(current)):
                 return current
-            chosen = processes.free_port(reserved)
+            chosen = free_port(reserved)
             reserved.add(chosen)
             return chosen
 

@@ -13,7 +13,6 @@ import contextlib
 import hashlib
 import os
 import signal
-import socket
 import subprocess
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -151,23 +150,3 @@ def healthy(url: str) -> bool:
         return httpx.get(f"{url}/health", timeout=settings.ENGINE_HEALTH_TIMEOUT_S).status_code == 200
     except httpx.HTTPError:
         return False
-
-
-def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port(exclude: set[int], host: str = "127.0.0.1") -> int:
-    """A port nobody listens on and no endpoint has reserved."""
-    for _ in range(100):
-        with socket.socket() as sock:
-            sock.bind((host, 0))
-            port = sock.getsockname()[1]
-        if port not in exclude:
-            return port
-    raise RuntimeError("no free port found")

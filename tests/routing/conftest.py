@@ -19,11 +19,12 @@ import pytest
 from django.db import connection
 
 from inference_platform.config_version import bump_config_version
+from inference_platform.ports import free_port
 from serving.models import Endpoint, Health, ModelDeployment, Pool
 from tenants.keys import IssuedKey, api_key_create
 from tenants.models import Quota, Scope, Team, Tenant
 
-from ..serving.engines import MODEL_DIR, MODEL_NAME, RunningEngine, free_port, start_engine
+from ..serving.engines import MODEL_DIR, MODEL_NAME, RunningEngine, start_engine
 
 ROOT = Path(__file__).resolve().parents[2]
 

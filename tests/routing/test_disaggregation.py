@@ -10,12 +10,13 @@ import httpx
 import pytest
 from django.db import connection
 
+from inference_platform.ports import free_port
 from routing.models import RoutingPolicy
 from serving.models import Endpoint, Health, ModelDeployment, Pool
 from tenants.keys import api_key_create
 from tenants.models import Scope, Team, Tenant
 
-from ..serving.engines import MODEL_DIR, MODEL_NAME, free_port, start_engine
+from ..serving.engines import MODEL_DIR, MODEL_NAME, start_engine
 from .conftest import Fleet
 from .usage import usage_events
 

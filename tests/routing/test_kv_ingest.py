@@ -17,6 +17,7 @@ from django.conf import settings
 from django.db import connections
 
 from inference_platform.config_version import bump_config_version
+from inference_platform.ports import free_port
 from routing.blocks import block_keys, chain_seed, hex_keys
 from routing.kv_ingest import Source
 from routing.kv_ingest_stream import KVIngester
@@ -30,7 +31,6 @@ from ..serving.engines import (
     ROOT,
     RunningEngine,
     engine_flags,
-    free_port,
     wait_healthy,
 )
 

@@ -13,10 +13,11 @@ import httpx
 import pytest
 from aiohttp import web
 
+from inference_platform.ports import free_port
 from serving.models import Endpoint, Health
 from tenants.keys import api_key_revoke
 
-from ..serving.engines import MODEL_NAME, free_port, start_engine
+from ..serving.engines import MODEL_NAME, start_engine
 from .conftest import make_fleet, start_router
 from .usage import usage_events
 

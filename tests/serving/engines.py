@@ -6,7 +6,6 @@ import itertools
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,8 @@ import httpx
 import msgpack
 import zmq
 
+from inference_platform.ports import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = ROOT / "models" / "tiny-qwen"
 MODEL_NAME = "tiny-qwen"
@@ -25,12 +26,6 @@ LOG_DIR = ROOT / ".local" / "test-engines"
 
 
 _vllm_cores = itertools.cycle(sorted(os.sched_getaffinity(0)))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass
@@ -127,6 +122,24 @@ def start_engine(
     wait: bool = True,
     timeout: float = 400,
 ) -> RunningEngine:
+    """Start an engine on fresh ports; again on others (up to three tries) when some other process took one
+    of them between the choice and the engine's bind."""
+    for attempt in range(3):
+        engine = _launch(kind, extra, events=events, nixl_role=nixl_role)
+        if not wait:
+            return engine
+        try:
+            wait_healthy(engine, timeout)
+        except RuntimeError as exc:
+            engine.stop()
+            if "address already in use" not in str(exc).lower() or attempt == 2:
+                raise
+            continue
+        return engine
+    raise AssertionError("unreachable")
+
+
+def _launch(kind: str, extra: tuple[str, ...], *, events: bool, nixl_role: str | None) -> RunningEngine:
     port = free_port()
     events_port = free_port() if events else None
     side_channel_port = free_port() if nixl_role else None
@@ -160,7 +173,7 @@ def start_engine(
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    engine = RunningEngine(
+    return RunningEngine(
         kind,
         f"http://127.0.0.1:{port}",
         f"tcp://127.0.0.1:{events_port}" if events_port else None,
@@ -168,9 +181,6 @@ def start_engine(
         log_path,
         side_channel_port,
     )
-    if wait:
-        wait_healthy(engine, timeout)
-    return engine
 
 
 def wait_healthy(engine: RunningEngine, timeout: float) -> None:
