@@ -559,7 +559,7 @@ class Exchange:
             if candidate is None:
                 break
             self.predicted_cached = self.router.prefix.chosen(
-                self.deployment, self.ctx, candidate, candidates
+                self.deployment, self.ctx, candidate, candidates, self.request_id
             )
             endpoint = candidate.endpoint
             tried.add(endpoint.id)

@@ -2,7 +2,7 @@
 
 Filters narrow the candidates; each scorer returns a score in [0, 1] per candidate; the policy's weights combine
 them; the picker takes the best, counting totals within one request in flight of it as equal and sending those
-to the engine sent the fewest requests lately, then round-robin. A new scorer is one class and one entry in
+to the engine with the least prefill ahead, then to the one sent the fewest requests lately, then round-robin. A new scorer is one class and one entry in
 SCORERS.
 """
 
@@ -256,6 +256,28 @@ WEIGHT_OF = {
 }
 
 
+# Prefill work that counts as none among equals: two blocks' worth, a few milliseconds on an engine.
+PREFILL_TIE_TOKENS = 256
+
+
+def prefill_ahead(ctx: RequestContext, candidates: Sequence[Candidate], block_size: int) -> list[float]:
+    """Prompt tokens to compute there before this request's first token: the uncached prompt tokens of the
+    requests awaiting a first token there (from every router replica), plus this prompt's own part beyond
+    what most candidates hold (as in distinct_shares: a system prompt every engine soon holds does not pull a
+    request anywhere). An engine the load guard took the prefix from counts as holding nothing more."""
+    held = []
+    for c in candidates:
+        h = ctx.held.get(c.endpoint.id)
+        blocks = h.blocks if h is not None else ctx.approx_held.get(c.endpoint.id, 0)
+        held.append(0 if c.guarded else blocks)
+    floor = sorted(held)[(len(held) - 1) // 2] if len(held) > 2 else 0
+    span = max(0, ctx.prompt_tokens_estimate - floor * block_size)
+    return [
+        c.load.prefill + c.load.others_prefill + max(0, span - max(0, h - floor) * block_size)
+        for c, h in zip(candidates, held, strict=True)
+    ]
+
+
 def tie_margin(policy: PolicyInfo) -> float:
     """How far below the best total a candidate still counts as its equal: what one more request in flight
     costs in the queue score (0.5 at the default weights). Differences that small are of the moment (a request
@@ -265,19 +287,32 @@ def tie_margin(policy: PolicyInfo) -> float:
 
 
 class Picker:
-    """Highest weighted score wins. Among equals (within tie_margin of the best), the endpoints sent the fewest
-    requests lately (within half a request of the fewest) and, among those, round-robin, so equal endpoints share
-    the load evenly."""
+    """Highest weighted score wins. Among equals (within tie_margin of the best): those where the first token
+    comes soonest (the least prefill ahead, within PREFILL_TIE_TOKENS), then those sent the fewest requests
+    lately (within half a request of the fewest) and, among those, round-robin, so equal endpoints share the load
+    evenly."""
 
     def __init__(self):
         self._turns: dict[int, itertools.count] = {}
 
-    def pick(self, deployment: DeploymentInfo, candidates: list[Candidate], totals: list[float]) -> Candidate:
+    def pick(
+        self,
+        deployment: DeploymentInfo,
+        candidates: list[Candidate],
+        totals: list[float],
+        work: list[float] | None = None,
+    ) -> Candidate:
         best = max(totals)
         margin = tie_margin(deployment.policy) + 1e-9
-        tied = [c for c, total in zip(candidates, totals, strict=True) if total >= best - margin]
+        at = [i for i, total in enumerate(totals) if total >= best - margin]
+        if len(at) > 1 and work is not None:
+            # Among equals, those where the first token comes soonest (`work`, from prefill_ahead): scores
+            # within the margin can still hide a long wait.
+            least = min(work[i] for i in at)
+            at = [i for i in at if work[i] <= least + PREFILL_TIE_TOKENS]
+        tied = [candidates[i] for i in at]
         if len(tied) > 1:
-            # Among equals, the engines that were sent the least lately: a new session goes where fewer live.
+            # Then the engines that were sent the least lately: a new session goes where fewer live.
             now = time.monotonic()
             served = [c.load.served(now) for c in tied]
             least = min(served)
@@ -317,4 +352,5 @@ class Pipeline:
             sum(getattr(policy, WEIGHT_OF[name]) * value for name, value in c.scores.items())
             for c in candidates
         ]
-        return self.picker.pick(deployment, candidates, totals), candidates
+        work = None if policy.mode == "round_robin" else prefill_ahead(ctx, candidates, deployment.block_size)
+        return self.picker.pick(deployment, candidates, totals, work), candidates

@@ -97,7 +97,12 @@ class PrefixRouting:
         return ctx
 
     def chosen(
-        self, deployment: DeploymentInfo, ctx: RequestContext, chosen: Candidate, candidates: list[Candidate]
+        self,
+        deployment: DeploymentInfo,
+        ctx: RequestContext,
+        chosen: Candidate,
+        candidates: list[Candidate],
+        request_id: str = "-",
     ) -> int:
         """Record the decision; returns the prompt tokens predicted to be cached on the chosen endpoint."""
         endpoint = chosen.endpoint.id
@@ -117,7 +122,8 @@ class PrefixRouting:
                 self.approximate.record(endpoint, ctx.block_keys)
         if self.sample_rate and random.random() < self.sample_rate:
             decisions.info(
-                "model=%s chose=%s blocks=%d %s",
+                "request=%s model=%s chose=%s blocks=%d %s",
+                request_id,
                 deployment.served_model_name,
                 chosen.endpoint.name,
                 ctx.block_count,

@@ -110,6 +110,7 @@ def follow_a_conversation_then_balance(fleet, engines: list[RunningEngine], paus
     decided = [line for line in fleet.router.log().splitlines() if " chose=" in line]
     assert len(decided) >= 6, fleet.router.log()[-2000:]
     assert all("prefix=" in line and "queue=" in line and "session=" in line for line in decided)
+    assert any(f"request={other} " in line for line in decided)  # found by the id the answer carried
     assert sum("held=" in line for line in decided) >= 3  # the later turns found their prefix
 
 

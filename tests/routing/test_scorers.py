@@ -150,3 +150,39 @@ def test_a_new_session_goes_where_fewer_were_sent_when_the_scores_differ_only_by
     loads[1].active = 2
     pick, _ = Pipeline().choose(dep, ctx, loads)
     assert pick.endpoint.id == 0
+
+
+def test_among_equals_the_engine_with_less_prefill_ahead_wins():
+    dep = deployment(2)
+    now = time.monotonic()
+    # Engine 0 decodes two requests (nothing left to prefill); engine 1 has one in flight with 9,000 prompt
+    # tokens still to prefill. The scores put them within the tie margin of each other.
+    loads = {0: EndpointLoad(active=2), 1: EndpointLoad(active=1, prefill=9000)}
+    for _ in range(10):
+        loads[0].assigned(now, RECENT_WINDOW_S)  # and engine 0 was sent more lately
+    ctx = RequestContext(model="tiny", prompt_tokens_estimate=20000, block_keys=["k"] * 156, block_count=156)
+    pick, candidates = Pipeline().choose(dep, ctx, loads)
+    totals = [sum(c.scores.values()) for c in candidates]
+    assert abs(totals[0] - totals[1]) < 0.5
+    assert pick.endpoint.id == 0  # the first token comes 9,000 tokens of prefill sooner there
+    # Without a backlog between them, the engine sent fewer lately takes the new session, as before.
+    loads[1].prefill = 0
+    pick, _ = Pipeline().choose(dep, ctx, loads)
+    assert pick.endpoint.id == 1
+
+
+def test_what_most_engines_hold_does_not_make_equals_unequal():
+    # Engines 0-5 hold a system prompt engines 6 and 7 lack: among otherwise equal engines it does not pull
+    # new sessions to 0-5 (as in distinct_shares), so they still spread over all eight.
+    dep = deployment(8)
+    pipeline = Pipeline()
+    loads = {i: EndpointLoad() for i in range(8)}
+    held = {i: Held(gpu=16) for i in range(6)}
+    chosen = Counter()
+    for _ in range(16):
+        ctx = RequestContext(
+            model="tiny", prompt_tokens_estimate=25 * 128, block_keys=["k"] * 25, block_count=25, held=held
+        )
+        pick, _ = pipeline.choose(dep, ctx, loads)
+        chosen[pick.endpoint.id] += 1
+    assert chosen == {i: 2 for i in range(8)}
