@@ -39,7 +39,7 @@ BENCH = Path(__file__).resolve().parent
 _spec = importlib.util.spec_from_file_location("bench_routing", BENCH / "routing.py")
 rb = importlib.util.module_from_spec(_spec)  # bench/routing.py, not the `routing` Django app
 _spec.loader.exec_module(rb)
-ro, wl = rb.ro, rb.wl
+ro, wl, streamed = rb.ro, rb.wl, rb.streamed
 ROOT, PYTHON, MODEL, STATE = ro.ROOT, ro.PYTHON, ro.MODEL, ro.STATE
 sys.path.insert(0, str(ROOT))  # ahead of bench/, so `routing` is the app
 
@@ -163,73 +163,6 @@ def create_objects(engines: list[Engine], scenario: str) -> tuple[str, int]:
 # --- the replay ----------------------------------------------------------------------------------------------
 
 
-async def replay(port: int, headers: dict, reqs: list[wl.Req], bodies: list[bytes]) -> list[dict]:
-    """bench/routing.py's open-loop replay, keeping every content chunk's arrival time."""
-    import aiohttp
-
-    results: list[dict] = [{} for _ in reqs]
-    connector = aiohttp.TCPConnector(limit=0, force_close=True)
-    timeout = aiohttp.ClientTimeout(total=300)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        start = time.perf_counter() + 0.2
-
-        async def one(i: int) -> None:
-            req = reqs[i]
-            delay = start + req.at - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            h = {"Content-Type": "application/json", **headers}
-            if req.session:
-                h["x-session-id"] = req.session
-            sent = time.perf_counter()
-            out = results[i]
-            out["sent"] = sent - start
-            arrivals: list[float] = []
-            try:
-                async with session.post(
-                    f"http://127.0.0.1:{port}/v1/completions", data=bodies[i], headers=h
-                ) as resp:
-                    out["status"] = resp.status
-                    async for line in resp.content:
-                        if not line.startswith(b"data: {"):
-                            continue
-                        if b'"choices":[{' in line:
-                            arrivals.append(time.perf_counter())
-                        if b'"prompt_tokens"' in line:
-                            usage = json.loads(line[6:]).get("usage") or {}
-                            out["prompt"] = usage.get("prompt_tokens", 0)
-                            out["completion"] = usage.get("completion_tokens", 0)
-                            out["cached"] = (
-                                (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-                            ) or 0
-                    done = time.perf_counter()
-                    out["ttft"] = (arrivals[0] if arrivals else done) - sent
-                    out["itl"] = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
-                    out["done"] = done - start
-                    out["ok"] = resp.status == 200 and bool(arrivals)
-            except Exception as exc:  # noqa: BLE001 - counted as an error
-                out["ok"] = False
-                out["error"] = repr(exc)[:200]
-
-        await asyncio.gather(*(one(i) for i in range(len(reqs))))
-    return results
-
-
-def bodies_for(reqs: list[wl.Req]) -> list[bytes]:
-    out = []
-    for req in reqs:
-        payload = {
-            "model": MODEL,
-            "prompt": wl.prompt_tokens(req),
-            "max_tokens": req.max_tokens,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        out.append(json.dumps(payload, separators=(",", ":")).encode())
-    return out
-
-
 def router_plans(port: int) -> dict[str, float]:
     import http.client
 
@@ -308,7 +241,9 @@ def run_scenario(procs, env, rclient, scenario, reqs, bodies) -> dict:
         time.sleep(1.0)  # the ingester subscribes to the engines
         router, port = rb.start_router(procs, env, f"disagg-{scenario}")
         t0 = time.monotonic()
-        results = asyncio.run(replay(port, {"Authorization": f"Bearer {key}"}, reqs, bodies))
+        results = asyncio.run(
+            streamed.replay([port], {"Authorization": f"Bearer {key}"}, reqs, bodies, chunk_times=True)
+        )
         elapsed = time.monotonic() - t0
         s = summarize(results)
         s["plans"] = router_plans(port)
@@ -370,7 +305,7 @@ def main(argv: list[str]) -> int:
             f"agentic: {len(reqs)} requests over {reqs[-1].at:.1f} s, ceiling {ceil['ceiling']:.3f}, one LRU of "
             f"the tight fleet's capacity {ceil['lru_fleet']:.3f}; {info}"
         )
-        bodies = bodies_for(reqs)
+        bodies = streamed.completion_bodies(MODEL, reqs, ignore_eos=True)
         rows = {}
         for scenario in args.scenarios:
             rows[scenario] = run_scenario(procs, env, rclient, scenario, reqs, bodies)
@@ -379,7 +314,7 @@ def main(argv: list[str]) -> int:
         print()
         print(block)
         if docs:
-            write_docs(docs, block)
+            ro.write_section(docs, "disagg", block, "Prefill/decode disaggregation", "bench/disagg.py")
             log(f"wrote {docs}")
         log(f"done in {time.monotonic() - started:.0f} s")
         return 0
@@ -440,20 +375,6 @@ def report(args, argv, rows, meta) -> str:
             f"{s['errors']} |"
         )
     return "\n".join(lines)
-
-
-def write_docs(path: Path, block: str) -> None:
-    begin, end = "<!-- disagg:begin -->", "<!-- disagg:end -->"
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    if begin in text and end in text:
-        head, _, rest = text.partition(begin)
-        _, _, tail = rest.partition(end)
-        text = head + begin + "\n" + block + "\n" + end + tail
-    else:
-        text = text.rstrip("\n") + "\n\n## Prefill/decode disaggregation\n\n"
-        text += "Generated by `bench/disagg.py` between the markers below; the reading after them is written by hand.\n\n"
-        text += begin + "\n" + block + "\n" + end + "\n"
-    path.write_text(text)
 
 
 if __name__ == "__main__":

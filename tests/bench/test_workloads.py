@@ -1,0 +1,72 @@
+"""The routing benchmark's workloads and the reuse ceilings its targets are measured against."""
+
+import routing_workloads as wl
+from routing_workloads import Req
+
+BLOCK = 128  # engine block size; each id expands to 512 tokens, four blocks
+
+
+def test_ids_expand_to_the_same_tokens_every_time():
+    a = Req(0.0, [1, 2], 1000, 4)
+    b = Req(0.0, [1, 3], 600, 4)
+    ta, tb = wl.prompt_tokens(a), wl.prompt_tokens(b)
+    assert len(ta) == 1000 and len(tb) == 600
+    assert ta[:512] == tb[:512]  # the same first id, the same first 512 tokens
+    assert ta[512:600] != tb[512:600]
+    assert all(wl.TOKEN_LO <= t < wl.TOKEN_HI for t in ta + tb)
+
+
+def test_ceilings_count_leading_blocks_seen_before():
+    first = Req(0.0, [1, 2], 1024, 4)  # 8 blocks
+    second = Req(1.0, [1, 2, 3], 1536, 4)  # 12 blocks, the first 8 of them first's
+    other = Req(2.0, [9], 512, 4)
+    c = wl.ceilings([first, second, other], BLOCK, lru_blocks=64)
+    assert c["prompt_tokens"] == 1024 + 1536 + 512
+    assert c["ceiling"] == 1024 / 3072
+    assert c["lru_fleet"] == c["ceiling"]  # room for everything: the LRU is the infinite cache
+    # An LRU of 4 blocks keeps only first's last four: second's leading blocks are gone.
+    assert wl.ceilings([first, second, other], BLOCK, lru_blocks=4)["lru_fleet"] == 0.0
+    # The last prompt token is never served from cache: a repeat of a whole prompt reuses all but its last block.
+    assert wl.ceilings([first, first], BLOCK)["ceiling"] == 7 * BLOCK / 2048
+
+
+def test_the_timed_ceiling_counts_a_prefix_only_once_its_prefill_ended():
+    first = Req(0.0, [1, 2], 1024, 4)
+    second = Req(0.1, [1, 2, 3], 1536, 4)
+    done_first = {"ok": True, "sent": 0.0, "ttft": 0.05}
+    assert wl.timed_ceiling([first, second], [done_first, {"ok": True, "sent": 0.1, "ttft": 0.1}], BLOCK) == (
+        1024 / 2560
+    )
+    # Sent while the first was still prefilling: nothing of it could be reused.
+    early = {"ok": True, "sent": 0.02, "ttft": 0.1}
+    assert wl.timed_ceiling([first, second], [done_first, early], BLOCK) == 0.0
+    # Failed requests count neither way.
+    assert wl.timed_ceiling([first, second], [{"ok": False}, early], BLOCK) == 0.0
+
+
+def test_a_turn_waits_for_the_turn_it_continues():
+    system = [100]  # an id every conversation starts with: not a conversation of its own
+    turn1 = Req(0.0, system + [7, 8], 1500, 4)
+    other = Req(0.5, system + [20, 21], 1500, 4)
+    turn2 = Req(1.0, system + [7, 8, 9], 2000, 4)  # carries turn1's prompt (its full ids) and more
+    stranger = Req(2.0, system + [30], 1000, 4)
+    reqs = [turn1, other, turn2, stranger]
+    wl.link_turns(reqs, [1, 1, 1, 1])  # each conversation's root is its first id after the system prompt
+    assert [r.after for r in reqs] == [None, None, 0, None]
+
+
+def test_agentic_sessions_grow_and_their_sub_agents_share_the_session_context():
+    reqs, info = wl.agentic(sessions=4, duration_s=12.0, max_output=8, seed=3)
+    again, _ = wl.agentic(sessions=4, duration_s=12.0, max_output=8, seed=3)
+    assert [(r.at, r.ids, r.length) for r in reqs] == [(r.at, r.ids, r.length) for r in again]
+    assert [r.at for r in reqs] == sorted(r.at for r in reqs)
+    assert {r.session for r in reqs} == {f"sess-{s}" for s in range(4)}
+    turns = len(reqs) - info["subagent_requests"]
+    assert info["bursts"] >= 1 and 6 * 4 <= turns <= 9 * 4  # 6-9 turns a session, plus the bursts
+    system = reqs[0].ids[:4]
+    for session in {r.session for r in reqs}:
+        mine = [r for r in reqs if r.session == session]
+        assert all(r.ids[:4] == system for r in mine)  # the system prompt every session shares
+        task = mine[0].ids[:6]
+        assert all(r.ids[:6] == task for r in mine)  # the session's own task, kept by its sub-agents
+        assert all(wl.ID_TOKENS * (len(r.ids) - 1) < r.length <= wl.ID_TOKENS * len(r.ids) for r in mine)
