@@ -3,8 +3,8 @@
 Each request is sent at its own time from the start of the replay (`Req.at`), on a fresh connection, to router
 replica i mod len(ports), as a load balancer in front of several replicas spreads them; a request that continues
 an earlier one (`Req.after`) is not sent before that one has ended, as no client could. Per request it records
-when it was sent, the time to the first content chunk, when it ended, the usage the stream ends with and, with
-`chunk_times`, the gaps between content chunks.
+when it was sent, the time to the first content chunk, when it ended, the usage the stream ends with, the
+router's `x-request-id` (which its decision log names) and, with `chunk_times`, the gaps between content chunks.
 """
 
 from __future__ import annotations
@@ -82,6 +82,7 @@ async def replay(
             try:
                 async with session.post(url, data=bodies[i], headers=h) as resp:
                     out["status"] = resp.status
+                    out["request_id"] = resp.headers.get("x-request-id")
                     async for line in resp.content:
                         if not line.startswith(b"data: {"):
                             continue
