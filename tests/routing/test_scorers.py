@@ -7,10 +7,12 @@ from collections import Counter
 
 from routing.pipeline import (
     RECENT_WINDOW_S,
+    Candidate,
     EndpointLoad,
     Pipeline,
     RequestContext,
     distinct_shares,
+    prefill_ahead,
     request_weight,
 )
 from routing.prefix_index import Held
@@ -186,3 +188,23 @@ def test_what_most_engines_hold_does_not_make_equals_unequal():
         pick, _ = pipeline.choose(dep, ctx, loads)
         chosen[pick.endpoint.id] += 1
     assert chosen == {i: 2 for i in range(8)}
+
+
+def test_prefill_ahead_counts_the_queue_and_what_the_engine_lacks_beyond_the_common_part():
+    dep = deployment(4)
+    loads = [EndpointLoad(prefill=1000), EndpointLoad(), EndpointLoad(others_prefill=300), EndpointLoad()]
+    candidates = [Candidate(e, load) for e, load in zip(dep.endpoints, loads, strict=True)]
+    prompt = 40 * 128
+    # Precise: engine 0 holds 30 blocks, 1 and 2 the 10-block system prompt, 3 nothing. The median (10 blocks)
+    # is common ground: 3 is not charged for lacking it, 0 is credited for its 20 blocks beyond it.
+    held = {0: Held(gpu=20, speculative=10), 1: Held(gpu=10), 2: Held(gpu=10)}
+    ctx = RequestContext(model="tiny", prompt_tokens_estimate=prompt, block_count=40, held=held)
+    span = prompt - 10 * 128
+    assert prefill_ahead(ctx, candidates, 128) == [1000 + span - 20 * 128, span, 300 + span, span]
+    # The load guard took engine 0's prefix away: it counts as holding nothing more than the others.
+    candidates[0].guarded = True
+    assert prefill_ahead(ctx, candidates, 128)[0] == 1000 + prompt
+    # Approximate: the blocks this router sent there stand in for what the engine holds.
+    candidates[0].guarded = False
+    ctx = RequestContext(model="tiny", prompt_tokens_estimate=prompt, block_count=40, approx_held={3: 40})
+    assert prefill_ahead(ctx, candidates, 128) == [1000 + prompt, prompt, 300 + prompt, 0]
