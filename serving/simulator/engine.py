@@ -2,7 +2,9 @@
 
 - At most `max_num_seqs` requests run; the rest wait in arrival order until a slot and enough KV blocks free up.
 - Prefill is one compute lane: requests prefill one after another, each taking `prefill_overhead` plus
-  `prefill_time_per_token` for every prompt token not found in the prefix cache (or received from a peer),
+  `prefill_time_per_token` for every prompt token not found in the prefix cache when its turn comes (as vLLM
+  looks the prefix up when it schedules the prefill, so a prefill queued behind one of the same prefix reuses
+  it) or received from a peer,
   plus `cpu_restore_time_per_token` for every token loaded back from the CPU tier (when there is one).
 - Decode streams one token every `decode_time + decode_time_per_seq * (running - 1)` seconds.
 - Generation is deterministic: the same prompt and seed give the same tokens.
@@ -189,9 +191,11 @@ class Engine:
                 self.metrics.nixl_xfer_time.observe(time.monotonic() - start)
                 self.metrics.nixl_bytes.observe(max(0, received - request.cached_tokens) * 1024)
             request.transferred_tokens = max(0, min(received, total) - request.cached_tokens)
-        compute = total - request.cached_tokens - request.transferred_tokens
-        restore = request.restored_tokens * self.timing.cpu_restore_time_per_token
         async with self._prefill_lane:
+            if not params.get("do_remote_prefill"):
+                self._late_hit(request, hashes, allocation)
+            compute = total - request.cached_tokens - request.transferred_tokens
+            restore = request.restored_tokens * self.timing.cpu_restore_time_per_token
             await asyncio.sleep(
                 self.timing.prefill_overhead + compute * self.timing.prefill_time_per_token + restore
             )
@@ -210,6 +214,23 @@ class Engine:
                 hashes[hit_blocks:], request.prompt_ids[hit_blocks * size : len(hashes) * size], allocation
             )
         self._update_gauges()
+
+    def _late_hit(self, request: Request, hashes: list[bytes], allocation: Allocation) -> None:
+        """Count as hits the blocks of this prompt that a prefill ahead of it in the lane stored meanwhile.
+
+        vLLM looks a request's prefix up when it schedules the request's prefill, not when the request
+        arrives, so a request queued behind a prefill of the same prefix reuses what that prefill computed.
+        The blocks found now replace as many of the request's private blocks."""
+        if not hashes or request.restored_tokens:
+            return
+        size = self.pool.block_size
+        have = len(allocation.hashes)
+        now = min(self.pool.longest_prefix(hashes), (len(request.prompt_ids) - 1) // size)
+        if now <= have:
+            return
+        self.pool.acquire(hashes[have:now], allocation)
+        self.pool.release_private(now - have, allocation)
+        request.cached_tokens += (now - have) * size
 
     async def _decode_step(self) -> None:
         delay = self.timing.decode_time + self.timing.decode_time_per_seq * max(0, self.running - 1)

@@ -130,6 +130,12 @@ class BlockPool:
         allocation.private_blocks += count
         return True
 
+    def release_private(self, count: int, allocation: Allocation) -> None:
+        """Give back `count` of the request's private blocks (the prefix they were for turned out cached)."""
+        count = min(count, allocation.private_blocks)
+        self._private -= count
+        allocation.private_blocks -= count
+
     def commit_full_blocks(
         self, hashes: Sequence[bytes], token_ids: Sequence[int], allocation: Allocation
     ) -> None:

@@ -120,6 +120,37 @@ def test_a_cache_hit_shows_in_time_to_first_token(slow_engine):
     assert warm < cold / 4
 
 
+def test_a_request_queued_behind_a_prefill_of_its_prefix_reuses_it():
+    # As vLLM does, the prefix is looked up when the request's prefill is scheduled, not when it arrives: the
+    # second of two identical prompts sent together waits for the first's prefill and then finds it cached.
+    engine = start_engine("sim", "--prefill-time-per-token", "0.0005", "--decode-time", "0.01")
+    prompt = blocks_prompt(8, salt=21) + [7, 8, 9]  # 1027 tokens: 0.51 s of prefill when nothing is cached
+
+    async def run():
+        async with httpx.AsyncClient(base_url=engine.url, timeout=60) as client:
+
+            async def one(delay: float):
+                await asyncio.sleep(delay)
+                response = await client.post(
+                    "/v1/completions", json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": 1}
+                )
+                return time.monotonic(), response.json()["usage"]
+
+            start = time.monotonic()
+            (first_at, first), (second_at, second) = await asyncio.gather(one(0.0), one(0.05))
+            return first_at - start, first, second_at - start, second
+
+    try:
+        first_s, first, second_s, second = asyncio.run(run())
+        hits = engine.metrics()["vllm:prefix_cache_hits_total"]
+    finally:
+        engine.stop()
+    assert first["prompt_tokens_details"]["cached_tokens"] == 0
+    assert second["prompt_tokens_details"]["cached_tokens"] == 8 * 128
+    assert hits == 8 * 128
+    assert first_s > 0.45 and second_s < first_s + 0.25  # it did not compute the 1,027 tokens again
+
+
 def test_its_output_is_deterministic_for_a_seed(sim_engine):
     texts = {complete(sim_engine, "same prompt", 8, seed=42)["choices"][0]["text"] for _ in range(3)}
     assert len(texts) == 1
