@@ -2,8 +2,8 @@
 
 Filters narrow the candidates; each scorer returns a score in [0, 1] per candidate; the policy's weights combine
 them; the picker takes the best, counting totals within one request in flight of it as equal and sending those
-to the engine with the least prefill ahead, then to the one sent the fewest requests lately, then round-robin. A new scorer is one class and one entry in
-SCORERS.
+to the engine with the least prefill ahead, then to the one sent the fewest requests lately, then round-robin.
+A new scorer is one class and one entry in SCORERS.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -150,13 +150,18 @@ class KvUtilizationScorer:
         return [1.0 - min(1.0, max(0.0, c.load.kv_usage)) for c in candidates]
 
 
+def common_floor(held: Sequence[float]) -> float:
+    """What most candidates hold (the median; nothing with two or fewer): blocks every engine soon has, like a
+    system prompt, which cost the same wherever the request goes."""
+    return sorted(held)[(len(held) - 1) // 2] if len(held) > 2 else 0.0
+
+
 def distinct_shares(held: list[float], blocks: int) -> list[float]:
     """Each candidate's leading blocks as a share of the prompt, counting only what sets it apart: the blocks
-    that most candidates hold (a system prompt every engine has seen) cost the same wherever the request goes,
-    so they do not pull it towards one engine. The floor is the median of what the candidates hold."""
+    beyond common_floor, so that what most candidates hold does not pull the request towards one engine."""
     if not blocks:
         return [0.0] * len(held)
-    floor = sorted(held)[(len(held) - 1) // 2] if len(held) > 2 else 0.0
+    floor = common_floor(held)
     span = blocks - floor
     if span <= 0:
         return [0.0] * len(held)
@@ -270,7 +275,7 @@ def prefill_ahead(ctx: RequestContext, candidates: Sequence[Candidate], block_si
         h = ctx.held.get(c.endpoint.id)
         blocks = h.blocks if h is not None else ctx.approx_held.get(c.endpoint.id, 0)
         held.append(0 if c.guarded else blocks)
-    floor = sorted(held)[(len(held) - 1) // 2] if len(held) > 2 else 0
+    floor = int(common_floor(held))
     span = max(0, ctx.prompt_tokens_estimate - floor * block_size)
     return [
         c.load.prefill + c.load.others_prefill + max(0, span - max(0, h - floor) * block_size)
@@ -300,14 +305,15 @@ class Picker:
         deployment: DeploymentInfo,
         candidates: list[Candidate],
         totals: list[float],
-        work: list[float] | None = None,
+        work: Callable[[], list[float]] | None = None,
     ) -> Candidate:
         best = max(totals)
         margin = tie_margin(deployment.policy) + 1e-9
         at = [i for i, total in enumerate(totals) if total >= best - margin]
         if len(at) > 1 and work is not None:
-            # Among equals, those where the first token comes soonest (`work`, from prefill_ahead): scores
-            # within the margin can still hide a long wait.
+            # Among equals, those where the first token comes soonest (`work()`: prefill_ahead per candidate,
+            # worked out only when there are equals): scores within the margin can still hide a long wait.
+            work = work()
             least = min(work[i] for i in at)
             at = [i for i in at if work[i] <= least + PREFILL_TIE_TOKENS]
         tied = [candidates[i] for i in at]
@@ -352,5 +358,7 @@ class Pipeline:
             sum(getattr(policy, WEIGHT_OF[name]) * value for name, value in c.scores.items())
             for c in candidates
         ]
-        work = None if policy.mode == "round_robin" else prefill_ahead(ctx, candidates, deployment.block_size)
+        work = None
+        if policy.mode != "round_robin":
+            work = lambda: prefill_ahead(ctx, candidates, deployment.block_size)  # noqa: E731
         return self.picker.pick(deployment, candidates, totals, work), candidates
