@@ -191,9 +191,10 @@ def block_keys(req: Req, block_size: int) -> list[int]:
 
 def timed_ceiling(reqs: list[Req], results: list[dict], block_size: int) -> float:
     """The ceiling once timing is taken into account: one infinite cache in which a request's blocks become
-    usable only when its prefill ended (its observed send time plus TTFT), and a request looks up the cache when it
-    is sent. What no router can beat when turns of a conversation (or sub-agents) arrive before the previous
-    prompt has been computed."""
+    usable only when its prefill ended (its observed send time plus TTFT). An engine looks a prompt up when it
+    schedules the prefill, which is at the latest when the first token comes, so a request is credited with the
+    blocks computed before its own first token: an upper bound on what any router could have reused when turns
+    of a conversation (or sub-agents) arrive before the previous prompt has been computed."""
     ready: dict[int, float] = {}
     for req, res in zip(reqs, results, strict=True):
         if res.get("ok"):
@@ -206,9 +207,10 @@ def timed_ceiling(reqs: list[Req], results: list[dict], block_size: int) -> floa
         if not res.get("ok"):
             continue
         usable = (req.length - 1) // block_size
+        looked_up = res["sent"] + res["ttft"]
         n = 0
         for key in block_keys(req, block_size)[:usable]:
-            if ready.get(key, float("inf")) > res["sent"]:
+            if ready.get(key, float("inf")) >= looked_up:  # its own blocks are ready only at its first token
                 break
             n += 1
         total += req.length

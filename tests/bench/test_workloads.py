@@ -30,17 +30,23 @@ def test_ceilings_count_leading_blocks_seen_before():
     assert wl.ceilings([first, first], BLOCK)["ceiling"] == 7 * BLOCK / 2048
 
 
-def test_the_timed_ceiling_counts_a_prefix_only_once_its_prefill_ended():
+def test_the_timed_ceiling_counts_a_prefix_computed_before_the_requests_first_token():
     first = Req(0.0, [1, 2], 1024, 4)
     second = Req(0.1, [1, 2, 3], 1536, 4)
     done_first = {"ok": True, "sent": 0.0, "ttft": 0.05}
     assert wl.timed_ceiling([first, second], [done_first, {"ok": True, "sent": 0.1, "ttft": 0.1}], BLOCK) == (
         1024 / 2560
     )
-    # Sent while the first was still prefilling: nothing of it could be reused.
-    early = {"ok": True, "sent": 0.02, "ttft": 0.1}
-    assert wl.timed_ceiling([first, second], [done_first, early], BLOCK) == 0.0
-    # Failed requests count neither way.
+    # Sent while the first was still prefilling, but its own first token came after that prefill ended: an
+    # engine that scheduled it behind the first could have reused it.
+    queued = {"ok": True, "sent": 0.02, "ttft": 0.1}
+    assert wl.timed_ceiling([first, second], [done_first, queued], BLOCK) == 1024 / 2560
+    # Its first token came before the first's prefill ended: it could reuse nothing, while the first, whose
+    # first token came later, could have reused all of its own blocks but the last from it.
+    early = {"ok": True, "sent": 0.01, "ttft": 0.02}
+    assert wl.timed_ceiling([first, second], [done_first, early], BLOCK) == 7 * BLOCK / 2560
+    # A prompt is not its own cache; failed requests count neither way.
+    assert wl.timed_ceiling([first], [done_first], BLOCK) == 0.0
     assert wl.timed_ceiling([first, second], [{"ok": False}, early], BLOCK) == 0.0
 
 
