@@ -692,10 +692,11 @@ def report(args, argv, rows, meta, policies, loads) -> str:
         "except that a trace request continuing an earlier turn of its conversation (that turn's full blocks start "
         "its prompt) is not sent before that turn ended, as no client could.",
         "- Timed ceiling: the ceiling recomputed from this run's own timings: a request's blocks count as cached "
-        "only from its first token on (send time + TTFT), and a request looks up at its send time. It removes "
-        "the reuse that no router can get because a turn or sub-agent arrives while the prompt it extends is still "
-        "queued or prefilling (sub-agents of a burst; trace requests sharing a prefix without continuing one "
-        "another).",
+        "only from its first token on (send time + TTFT), and a request is credited with the blocks cached "
+        "before its own first token (an engine looks the prompt up when it schedules the prefill, at the latest "
+        "then). It removes the reuse that no router can get because a turn or sub-agent arrives while the prompt "
+        "it extends is still prefilling (sub-agents of a burst; trace requests sharing a prefix without "
+        "continuing one another).",
         "- Own prefill p90: the p90 over requests of the prefill each one needed on the engine it went to (its "
         "uncached prompt tokens at the simulator's per-token time, plus the fixed overhead): its TTFT with no queue "
         "in front of it. TTFT above it is time spent waiting behind other requests' prefills.",

@@ -221,22 +221,49 @@ def request_weight(prompt_tokens: int, cached_tokens: int) -> float:
     return CACHED_REQUEST_WEIGHT + (1.0 - CACHED_REQUEST_WEIGHT) * uncached
 
 
-def load_guard(candidates: list[Candidate], ratio: float) -> None:
+def load_guard(
+    candidates: list[Candidate], ratio: float, spare: Callable[[Candidate], bool] | None = None
+) -> None:
     """Keep affinity from piling everything on one engine: an engine loaded beyond `ratio` times the mean
-    (plus one request of slack) loses its prefix and session scores. Load is what is in flight or queued
-    there plus what was sent there lately, each request weighed by the prefill it brings: this replica's
-    requests as they are, the other replicas' as they last published them."""
+    (plus one request of slack) loses its prefix and session scores, unless `spare` says to keep them. Load is
+    what is in flight or queued there plus what was sent there lately, each request weighed by the prefill it
+    brings: this replica's requests as they are, the other replicas' as they last published them."""
     now = time.monotonic()
     loads = [c.load.own(now) + c.load.others + c.load.waiting for c in candidates]
     mean = sum(loads) / len(loads)
-    for candidate, load in zip(candidates, loads, strict=True):
-        # Only an engine with work in hand now is guarded: a lone conversation's quick turns on an idle fleet
-        # stay with their prefix, however many were sent lately.
-        busy = candidate.load.active + candidate.load.others_active + candidate.load.waiting >= 1
-        if busy and load > ratio * mean + 1:
-            candidate.scores["prefix"] = 0.0
-            candidate.scores["session"] = 0.0
-            candidate.guarded = True
+    # Only an engine with work in hand now is guarded: a lone conversation's quick turns on an idle fleet
+    # stay with their prefix, however many were sent lately.
+    over = [
+        c
+        for c, load in zip(candidates, loads, strict=True)
+        if c.load.active + c.load.others_active + c.load.waiting >= 1 and load > ratio * mean + 1
+    ]
+    for candidate in over:
+        if spare is not None and spare(candidate):
+            continue
+        candidate.scores["prefix"] = 0.0
+        candidate.scores["session"] = 0.0
+        candidate.guarded = True
+
+
+def session_engine_if_soonest(
+    ctx: RequestContext, candidates: Sequence[Candidate], block_size: int
+) -> Callable[[Candidate], bool]:
+    """For load_guard: spare the engine serving this request's session while its first token would still come
+    soonest there (prefill_ahead, within PREFILL_TIE_TOKENS of the least). Sent elsewhere, the turn or sub-agent
+    would compute its whole context again while its engine has little prefill queued; the "sent lately" part of
+    the load is what trips the guard there, and it counts requests that are decoding, not prefilling. A new
+    session has no engine yet, so the guard still spreads sessions sharing only a system prompt."""
+    ahead: list[float] = []
+
+    def spare(candidate: Candidate) -> bool:
+        if candidate.endpoint.id != ctx.session_endpoint:
+            return False
+        if not ahead:
+            ahead.extend(prefill_ahead(ctx, candidates, block_size))
+        return ahead[candidates.index(candidate)] <= min(ahead) + PREFILL_TIE_TOKENS
+
+    return spare
 
 
 LOAD_SCORERS: list[tuple[Scorer, str]] = [
@@ -353,7 +380,8 @@ class Pipeline:
             for candidate, value in zip(candidates, scorer.score(ctx, candidates, policy), strict=True):
                 candidate.scores[scorer.name] = value
         if len(candidates) > 1:
-            load_guard(candidates, policy.load_guard_ratio)
+            spare = session_engine_if_soonest(ctx, candidates, deployment.block_size)
+            load_guard(candidates, policy.load_guard_ratio, spare)
         totals = [
             sum(getattr(policy, WEIGHT_OF[name]) * value for name, value in c.scores.items())
             for c in candidates

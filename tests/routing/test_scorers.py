@@ -208,3 +208,35 @@ def test_prefill_ahead_counts_the_queue_and_what_the_engine_lacks_beyond_the_com
     candidates[0].guarded = False
     ctx = RequestContext(model="tiny", prompt_tokens_estimate=prompt, block_count=40, approx_held={3: 40})
     assert prefill_ahead(ctx, candidates, 128) == [1000 + prompt, prompt, 300 + prompt, 0]
+
+
+def test_the_load_guard_spares_a_sessions_engine_while_its_first_token_comes_soonest_there():
+    # The session's engine was sent a burst lately and serves two requests now: over the guard's line by load,
+    # with almost no prefill queued. Anywhere else the turn would compute its 12,800-token context again.
+    def pick(session_endpoint: int | None, queued_prefill: float = 0.0):
+        dep = deployment(4)
+        loads = {i: EndpointLoad() for i in range(4)}
+        now = time.monotonic()
+        for _ in range(6):
+            loads[0].assigned(now, RECENT_WINDOW_S)
+        loads[0].begin()
+        loads[0].begin()
+        loads[0].prefill = queued_prefill
+        ctx = RequestContext(
+            model="tiny",
+            prompt_tokens_estimate=12_900,
+            block_keys=["k"] * 100,
+            block_count=100,
+            held={0: Held(gpu=100)},
+            session_endpoint=session_endpoint,
+        )
+        return Pipeline().choose(dep, ctx, loads)
+
+    chosen, candidates = pick(session_endpoint=0)
+    assert chosen.endpoint.id == 0 and not candidates[0].guarded
+    # A request of no session there (a new session whose prompt that engine happens to hold) is spread.
+    chosen, candidates = pick(session_endpoint=None)
+    assert candidates[0].guarded and chosen.endpoint.id != 0
+    # With a long prefill queued there, the first token would come sooner elsewhere: guarded after all.
+    chosen, candidates = pick(session_endpoint=0, queued_prefill=20_000)
+    assert candidates[0].guarded and chosen.endpoint.id != 0
