@@ -246,22 +246,47 @@ def load_guard(
         candidate.guarded = True
 
 
+def over_their_share(candidates: Sequence[Candidate], ratio: float) -> list[bool]:
+    """Which candidates were sent more than `ratio` times the mean over the last half minute (served(), plus
+    one request of slack): where more than a fair share of the long-lived sessions live."""
+    now = time.monotonic()
+    served = [c.load.served(now) for c in candidates]
+    line = ratio * sum(served) / len(served) + 1
+    return [sent > line for sent in served]
+
+
+def spread_new_session(candidates: list[Candidate], ratio: float) -> None:
+    """A session's first request decides where its later turns live, so it does not go to an engine over its
+    share (over_their_share) for the sake of a prefix: such an engine loses its prefix score for it. What a new
+    session shares with others is a system prompt, which costs one prefill to copy; sessions piled on the
+    engines that held it first cost for as long as they live."""
+    for candidate, over in zip(candidates, over_their_share(candidates, ratio), strict=True):
+        if over:
+            candidate.scores["prefix"] = 0.0
+            candidate.guarded = True
+
+
 def session_engine_if_soonest(
-    ctx: RequestContext, candidates: Sequence[Candidate], block_size: int
+    ctx: RequestContext, candidates: Sequence[Candidate], block_size: int, ratio: float
 ) -> Callable[[Candidate], bool]:
     """For load_guard: spare the engine serving this request's session while its first token would still come
-    soonest there (prefill_ahead, within PREFILL_TIE_TOKENS of the least). Sent elsewhere, the turn or sub-agent
-    would compute its whole context again while its engine has little prefill queued; the "sent lately" part of
-    the load is what trips the guard there, and it counts requests that are decoding, not prefilling. A new
-    session has no engine yet, so the guard still spreads sessions sharing only a system prompt."""
+    soonest there (prefill_ahead, within PREFILL_TIE_TOKENS of the least) and it is not over its share of the
+    sessions (over_their_share). Sent elsewhere, the turn or sub-agent would compute its whole context again
+    while its engine has little prefill queued; the "sent lately" part of the guard's load is what trips it
+    there, and counts requests that are decoding, not prefilling. An engine over its share is not spared:
+    moving a session off it costs one recomputed context and evens the fleet out for the session's remaining
+    turns."""
     ahead: list[float] = []
 
     def spare(candidate: Candidate) -> bool:
         if candidate.endpoint.id != ctx.session_endpoint:
             return False
+        at = candidates.index(candidate)
+        if over_their_share(candidates, ratio)[at]:
+            return False
         if not ahead:
             ahead.extend(prefill_ahead(ctx, candidates, block_size))
-        return ahead[candidates.index(candidate)] <= min(ahead) + PREFILL_TIE_TOKENS
+        return ahead[at] <= min(ahead) + PREFILL_TIE_TOKENS
 
     return spare
 
@@ -380,7 +405,9 @@ class Pipeline:
             for candidate, value in zip(candidates, scorer.score(ctx, candidates, policy), strict=True):
                 candidate.scores[scorer.name] = value
         if len(candidates) > 1:
-            spare = session_engine_if_soonest(ctx, candidates, deployment.block_size)
+            if ctx.session_id and ctx.session_endpoint is None:
+                spread_new_session(candidates, policy.load_guard_ratio)
+            spare = session_engine_if_soonest(ctx, candidates, deployment.block_size, policy.load_guard_ratio)
             load_guard(candidates, policy.load_guard_ratio, spare)
         totals = [
             sum(getattr(policy, WEIGHT_OF[name]) * value for name, value in c.scores.items())

@@ -212,12 +212,16 @@ def test_prefill_ahead_counts_the_queue_and_what_the_engine_lacks_beyond_the_com
 
 def test_the_load_guard_spares_a_sessions_engine_while_its_first_token_comes_soonest_there():
     # The session's engine was sent a burst lately and serves two requests now: over the guard's line by load,
-    # with almost no prefill queued. Anywhere else the turn would compute its 12,800-token context again.
-    def pick(session_endpoint: int | None, queued_prefill: float = 0.0):
+    # with almost no prefill queued. Anywhere else the turn would compute its 12,800-token context again. The
+    # other engines serve sessions of their own (sent as many over the last half minute, but not lately).
+    def pick(session_endpoint: int | None, queued_prefill: float = 0.0, burst: int = 6):
         dep = deployment(4)
         loads = {i: EndpointLoad() for i in range(4)}
         now = time.monotonic()
-        for _ in range(6):
+        for i in range(1, 4):
+            for _ in range(8):
+                loads[i].assigned(now - 20, RECENT_WINDOW_S)
+        for _ in range(burst):
             loads[0].assigned(now, RECENT_WINDOW_S)
         loads[0].begin()
         loads[0].begin()
@@ -240,3 +244,31 @@ def test_the_load_guard_spares_a_sessions_engine_while_its_first_token_comes_soo
     # With a long prefill queued there, the first token would come sooner elsewhere: guarded after all.
     chosen, candidates = pick(session_endpoint=0, queued_prefill=20_000)
     assert candidates[0].guarded and chosen.endpoint.id != 0
+    # An engine sent far more than its share over the last half minute (more sessions live there than
+    # elsewhere) is not spared: the session moves, and the fleet evens out.
+    chosen, candidates = pick(session_endpoint=0, burst=20)
+    assert candidates[0].guarded and chosen.endpoint.id != 0
+
+
+def test_a_new_session_does_not_follow_a_shared_prompt_to_engines_that_serve_more_than_their_share():
+    # Engines 0-3 were the first to hold the system prompt (16 of a new session's 24 blocks) and serve the
+    # sessions placed so far; engines 4-7 hold nothing and were sent nothing.
+    dep = deployment(8)
+    loads = {i: EndpointLoad() for i in range(8)}
+    now = time.monotonic()
+    for i in range(4):
+        for _ in range(6):
+            loads[i].assigned(now - 10, RECENT_WINDOW_S)
+    held = {i: Held(gpu=16) for i in range(4)}
+
+    def pick(session_id: str | None):
+        ctx = RequestContext(
+            model="tiny", block_keys=["k"] * 24, block_count=24, held=held, session_id=session_id
+        )
+        return Pipeline().choose(dep, ctx, loads)
+
+    chosen, candidates = pick("new-session")
+    assert chosen.endpoint.id >= 4 and all(c.guarded for c in candidates[:4])
+    # A request of no session is not placed for the long run: it takes the prefix.
+    chosen, _ = pick(None)
+    assert chosen.endpoint.id < 4
