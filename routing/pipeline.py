@@ -405,10 +405,13 @@ class Pipeline:
             for candidate, value in zip(candidates, scorer.score(ctx, candidates, policy), strict=True):
                 candidate.scores[scorer.name] = value
         if len(candidates) > 1:
-            if ctx.session_id and ctx.session_endpoint is None:
-                spread_new_session(candidates, policy.load_guard_ratio)
-            spare = session_engine_if_soonest(ctx, candidates, deployment.block_size, policy.load_guard_ratio)
-            load_guard(candidates, policy.load_guard_ratio, spare)
+            ratio = policy.load_guard_ratio
+            spare = None
+            if ctx.session_endpoint is not None:
+                spare = session_engine_if_soonest(ctx, candidates, deployment.block_size, ratio)
+            elif ctx.session_id:
+                spread_new_session(candidates, ratio)
+            load_guard(candidates, ratio, spare)
         totals = [
             sum(getattr(policy, WEIGHT_OF[name]) * value for name, value in c.scores.items())
             for c in candidates
