@@ -276,7 +276,6 @@ def session_engine_if_soonest(
     there, and counts requests that are decoding, not prefilling. An engine over its share is not spared:
     moving a session off it costs one recomputed context and evens the fleet out for the session's remaining
     turns."""
-    ahead: list[float] = []
 
     def spare(candidate: Candidate) -> bool:
         if candidate.endpoint.id != ctx.session_endpoint:
@@ -284,8 +283,7 @@ def session_engine_if_soonest(
         at = candidates.index(candidate)
         if over_their_share(candidates, ratio)[at]:
             return False
-        if not ahead:
-            ahead.extend(prefill_ahead(ctx, candidates, block_size))
+        ahead = prefill_ahead(ctx, candidates, block_size)
         return ahead[at] <= min(ahead) + PREFILL_TIE_TOKENS
 
     return spare
