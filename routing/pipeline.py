@@ -221,6 +221,13 @@ def request_weight(prompt_tokens: int, cached_tokens: int) -> float:
     return CACHED_REQUEST_WEIGHT + (1.0 - CACHED_REQUEST_WEIGHT) * uncached
 
 
+def above_the_mean(values: Sequence[float], ratio: float) -> list[bool]:
+    """Which values exceed `ratio` times their mean plus one request of slack: the line of the load guard and
+    of a session's share."""
+    line = ratio * sum(values) / len(values) + 1
+    return [value > line for value in values]
+
+
 def load_guard(
     candidates: list[Candidate], ratio: float, spare: Callable[[Candidate], bool] | None = None
 ) -> None:
@@ -230,13 +237,13 @@ def load_guard(
     brings: this replica's requests as they are, the other replicas' as they last published them."""
     now = time.monotonic()
     loads = [c.load.own(now) + c.load.others + c.load.waiting for c in candidates]
-    mean = sum(loads) / len(loads)
     # Only an engine with work in hand now is guarded: a lone conversation's quick turns on an idle fleet
-    # stay with their prefix, however many were sent lately.
+    # stay with their prefix, however many were sent lately. All are judged before any is marked, so `spare`
+    # sees the candidates as they were.
     over = [
         c
-        for c, load in zip(candidates, loads, strict=True)
-        if c.load.active + c.load.others_active + c.load.waiting >= 1 and load > ratio * mean + 1
+        for c, above in zip(candidates, above_the_mean(loads, ratio), strict=True)
+        if above and c.load.active + c.load.others_active + c.load.waiting >= 1
     ]
     for candidate in over:
         if spare is not None and spare(candidate):
@@ -250,9 +257,7 @@ def over_their_share(candidates: Sequence[Candidate], ratio: float) -> list[bool
     """Which candidates were sent more than `ratio` times the mean over the last half minute (served(), plus
     one request of slack): where more than a fair share of the long-lived sessions live."""
     now = time.monotonic()
-    served = [c.load.served(now) for c in candidates]
-    line = ratio * sum(served) / len(served) + 1
-    return [sent > line for sent in served]
+    return above_the_mean([c.load.served(now) for c in candidates], ratio)
 
 
 def spread_new_session(candidates: list[Candidate], ratio: float) -> None:
