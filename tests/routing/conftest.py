@@ -115,10 +115,16 @@ class Fleet:
         wait_for_version(self.router, bump_config_version())
 
 
-def wait_for_version(router: RouterProcess, version: int, timeout: float = 10) -> None:
+def wait_for_version(router: RouterProcess, version: int, timeout: float = 30) -> None:
+    """Poll the router's /health until it serves `version`. A slow answer is waited out, not failed on: with
+    two vLLM-CPU engines spinning on both cores the router can stall for seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if int(httpx.get(f"{router.url}/health").json()["config_version"]) >= version:
+        try:
+            reply = httpx.get(f"{router.url}/health", timeout=max(deadline - time.monotonic(), 0.1))
+        except httpx.TimeoutException:
+            continue
+        if int(reply.json()["config_version"]) >= version:
             return
         time.sleep(0.05)
     raise TimeoutError(f"the router did not reload config version {version}")

@@ -198,15 +198,16 @@ def peer_pull_scenario(router_process, engines, hog_tokens: int) -> None:
     holder = next(e for e in engines if e.url == seed.endpoint)
     other = next(e for e in engines if e.url != seed.endpoint)
 
-    def tighten_the_guard() -> None:
+    def guard_at(ratio: float) -> None:
         try:
-            RoutingPolicy.objects.filter(pk=policy.pk).update(load_guard_ratio=1.0)
+            RoutingPolicy.objects.filter(pk=policy.pk).update(load_guard_ratio=ratio)
             fleet.sync()
         finally:
             connection.close()  # this thread's own database connection
 
-    async def hog(client, headers, started: asyncio.Event) -> None:
-        """A long stream on the holder that shares its prefix (so it stays there), open until cancelled."""
+    async def hog(client, headers, started: asyncio.Event) -> str:
+        """A long stream on the holder that shares its prefix (so it stays there), open until cancelled;
+        says how it ended when it ends before that."""
         async with client.stream(
             "POST",
             f"{fleet.router.url}/v1/chat/completions",
@@ -219,39 +220,76 @@ def peer_pull_scenario(router_process, engines, hog_tokens: int) -> None:
                 "messages": [{"role": "user", "content": LONG}],
             },
         ) as response:
+            if response.status_code != 200:
+                return f"status {response.status_code}: {(await response.aread())[:300]!r}"
+            chunks, last = 0, ""
             async for line in response.aiter_lines():
-                if line.startswith("data: {"):
-                    started.set()
+                if line.startswith("data: "):
+                    last = line
+                    if '"choices"' in line:
+                        chunks += 1
+                        started.set()
+            return f"ended after {chunks} chunks, the last: {last[:300]}"
 
-    async def busy_then_pull():
-        async with httpx.AsyncClient(timeout=300) as client:
-            headers = {"authorization": f"Bearer {fleet.key.secret}"}
-            # Keep the holder busy: each hog is streaming before the next starts, and all of them are still
-            # in flight when the sub-agent's request comes (they are cancelled after it).
-            hogs = []
+    def how_they_ended(hogs) -> list[str]:
+        return [
+            repr(task.exception()) if task.exception() else task.result()
+            for task in hogs
+            if task.done() and not task.cancelled()
+        ]
+
+    async def busy_then_pull(client, headers):
+        """Keep the holder busy: each hog is streaming before the next starts, and all of them are still in
+        flight when the sub-agent's request comes (they are cancelled after it). None when a hog ended first,
+        with why in `ended`."""
+        hogs = []
+        try:
             for _ in range(HOGS):
                 started = asyncio.Event()
                 hogs.append(asyncio.create_task(hog(client, headers, started)))
-                await asyncio.wait_for(started.wait(), 120)
-            try:
-                await asyncio.to_thread(tighten_the_guard)
-                assert not any(task.done() for task in hogs), "a hog ended before the sub-agent's request"
-                return await client.post(
-                    f"{fleet.router.url}/v1/chat/completions",
-                    headers=headers,
-                    json={
-                        "model": MODEL_NAME,
-                        "max_tokens": 3,
-                        "ignore_eos": True,
-                        "messages": [{"role": "user", "content": LONG + " Now the sub-agent's question."}],
-                    },
-                )
-            finally:
-                for task in hogs:
-                    task.cancel()
-                await asyncio.gather(*hogs, return_exceptions=True)
+                waiting = asyncio.create_task(started.wait())
+                await asyncio.wait([waiting, hogs[-1]], timeout=120, return_when=asyncio.FIRST_COMPLETED)
+                waiting.cancel()
+                if not started.is_set():
+                    break
+            if len(hogs) == HOGS and started.is_set():
+                await asyncio.to_thread(guard_at, 1.0)
+                if not any(task.done() for task in hogs):
+                    return await client.post(
+                        f"{fleet.router.url}/v1/chat/completions",
+                        headers=headers,
+                        json={
+                            "model": MODEL_NAME,
+                            "max_tokens": 3,
+                            "ignore_eos": True,
+                            "messages": [
+                                {"role": "user", "content": LONG + " Now the sub-agent's question."}
+                            ],
+                        },
+                    )
+            ended.extend(how_they_ended(hogs) or ["a hog did not start streaming within 120 s"])
+            return None
+        finally:
+            for task in hogs:
+                task.cancel()
+            await asyncio.gather(*hogs, return_exceptions=True)
 
-    reply = asyncio.run(busy_then_pull())
+    async def attempts():
+        # A second try when a hog ended early (what ended it is in the failure message when both do).
+        async with httpx.AsyncClient(timeout=300) as client:
+            headers = {"authorization": f"Bearer {fleet.key.secret}"}
+            for _ in range(2):
+                reply = await busy_then_pull(client, headers)
+                if reply is not None:
+                    return reply
+                await asyncio.to_thread(guard_at, 50.0)
+        return None
+
+    ended: list[str] = []
+    reply = asyncio.run(attempts())
+    assert reply is not None, (
+        f"a hog ended before the sub-agent's request: {ended}\n{fleet.router.log()[-3000:]}"
+    )
     assert reply.status_code == 200
     (event,) = usage_events([reply.headers["x-request-id"]], wait_for=1)
     assert event.endpoint == other.url  # decoded on the idle engine...
