@@ -16,7 +16,7 @@ from serving.models import Endpoint, Health, ModelDeployment, Pool
 from tenants.keys import api_key_create
 from tenants.models import Scope, Team, Tenant
 
-from ..serving.engines import MODEL_DIR, MODEL_NAME, start_engine
+from ..serving.engines import MODEL_DIR, MODEL_NAME, start_engine, start_engines
 from .conftest import Fleet
 from .usage import usage_events
 
@@ -162,12 +162,8 @@ def test_a_busy_prefix_holder_serves_a_peer_pull(router_process):
 
 
 def test_a_busy_prefix_holder_serves_a_peer_pull_on_real_vllm(router_process):
-    from ..serving.engines import wait_healthy
-
-    engines = [start_engine("vllm", nixl_role="kv_both", wait=False) for _ in range(2)]
+    engines = start_engines("vllm", ["kv_both", "kv_both"])
     try:
-        for engine in engines:
-            wait_healthy(engine, 600)
         peer_pull_scenario(router_process, engines, hog_tokens=3000)
     finally:
         for engine in engines:
@@ -301,17 +297,7 @@ def peer_pull_scenario(router_process, engines, hog_tokens: int) -> None:
 
 @pytest.fixture(scope="module")
 def vllm_pd():
-    prefill = start_engine("vllm", nixl_role="kv_producer", wait=False)
-    decode = start_engine("vllm", nixl_role="kv_consumer", wait=False)
-    from ..serving.engines import wait_healthy
-
-    try:
-        wait_healthy(prefill, 600)
-        wait_healthy(decode, 600)
-    except BaseException:
-        prefill.stop()
-        decode.stop()
-        raise
+    prefill, decode = start_engines("vllm", ["kv_producer", "kv_consumer"])
     yield prefill, decode
     prefill.stop()
     decode.stop()

@@ -119,24 +119,37 @@ def start_engine(
     *extra: str,
     events: bool = True,
     nixl_role: str | None = None,
-    wait: bool = True,
     timeout: float = 400,
 ) -> RunningEngine:
     """Start an engine on fresh ports; again on others (up to three tries) when some other process took one
     of them between the choice and the engine's bind."""
-    for attempt in range(3):
-        engine = _launch(kind, extra, events=events, nixl_role=nixl_role)
-        if not wait:
-            return engine
-        try:
-            wait_healthy(engine, timeout)
-        except RuntimeError as exc:
+    (engine,) = start_engines(kind, [nixl_role], *extra, events=events, timeout=timeout)
+    return engine
+
+
+def start_engines(
+    kind: str, nixl_roles: list[str | None], *extra: str, events: bool = True, timeout: float = 600
+) -> list[RunningEngine]:
+    """Start one engine per entry of `nixl_roles` side by side (vLLM takes a minute to come up) and wait for
+    all of them; one that lost a port to another process between the choice and its bind is started again on
+    others (up to three tries each). On any other failure every engine started here is stopped."""
+    engines = [_launch(kind, extra, events=events, nixl_role=role) for role in nixl_roles]
+    try:
+        for index, role in enumerate(nixl_roles):
+            for attempt in range(3):
+                try:
+                    wait_healthy(engines[index], timeout)
+                    break
+                except RuntimeError as exc:
+                    engines[index].stop()
+                    if "address already in use" not in str(exc).lower() or attempt == 2:
+                        raise
+                    engines[index] = _launch(kind, extra, events=events, nixl_role=role)
+    except BaseException:
+        for engine in engines:
             engine.stop()
-            if "address already in use" not in str(exc).lower() or attempt == 2:
-                raise
-            continue
-        return engine
-    raise AssertionError("unreachable")
+        raise
+    return engines
 
 
 def _launch(kind: str, extra: tuple[str, ...], *, events: bool, nixl_role: str | None) -> RunningEngine:
@@ -190,6 +203,9 @@ def wait_healthy(engine: RunningEngine, timeout: float) -> None:
             raise RuntimeError(
                 f"{engine.kind} engine exited with {engine.process.returncode}:\n{engine.log()[-3000:]}"
             )
+        if "Address already in use" in engine.log():
+            # vLLM's NIXL side channel binds in a thread of its own: the engine lives on, and never serves.
+            raise RuntimeError(f"{engine.kind} engine lost a port:\n{engine.log()[-3000:]}")
         try:
             if httpx.get(f"{engine.url}/health", timeout=2).status_code == 200:
                 return
