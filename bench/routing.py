@@ -321,17 +321,48 @@ def fmt(value: float, digits: int = 1) -> str:
     return "n/a" if value != value else f"{value:,.{digits}f}"
 
 
-def decision_summary(process_name: str) -> str:
+def decision_lines(process_names: list[str]) -> list[str]:
+    """The decision log's lines (one per request) from these router processes' logs."""
+    lines = []
+    for name in process_names:
+        path = STATE / "logs" / f"{name}.log"
+        lines += [line for line in path.read_text(errors="replace").splitlines() if " chose=" in line]
+    return lines
+
+
+def chosen_engines(lines: list[str]) -> dict[str, str]:
+    """Request id to the endpoint the router chose, from decision-log lines."""
+    chosen = {}
+    for line in lines:
+        head, _, rest = line.partition(" chose=")
+        request_id = head.rpartition("request=")[2].split()[0]
+        chosen[request_id] = rest.split()[0]
+    return chosen
+
+
+def tail_summary(results: list[dict], lines: list[str]) -> str:
+    """Why the requests at or above TTFT p90 waited (routing_workloads.ttft_tail), in one line."""
+    per_token = float(SIM_TIMING["--prefill-time-per-token"])
+    overhead = float(SIM_TIMING["--prefill-overhead"])
+    t = wl.ttft_tail(results, chosen_engines(lines), per_token, overhead)
+    if not t["tail"]:
+        return "no decisions logged"
+    return (
+        f"{t['tail']} requests at or above p90: own prefill median {t['own_median'] * 1000:.0f} ms, wait median "
+        f"{t['wait_median'] * 1000:.0f} ms; placed behind more prefill than the least-pending engine had: "
+        f"{t['behind']}; every engine busy: {t['burst']}; neither: {t['machine']} (wait median "
+        f"{t['machine_wait_median'] * 1000:.0f} ms)"
+    )
+
+
+def decision_summary(lines: list[str]) -> str:
     """Where the router gave prefix blocks up, from its decision log (one line per request): blocks the best
     holder had over the chosen endpoint, split by cause (the load guard dropped the holder's affinity, or the
     other scorers outweighed it)."""
-    path = STATE / "logs" / f"{process_name}.log"
     requests = prompt_blocks = best_blocks = chosen_blocks = 0
     lost = {"guard": 0, "score": 0}
     moved = {"guard": 0, "score": 0}
-    for line in path.read_text(errors="replace").splitlines():
-        if " chose=" not in line:
-            continue
+    for line in lines:
         fields = line.split(" chose=", 1)[1].split()
         chosen, blocks, candidates = fields[0], int(fields[1].split("=")[1]), fields[2:]
         held, guarded = {}, set()
@@ -598,7 +629,11 @@ def main(argv: list[str]) -> int:
                 if args.requests_out:
                     write_requests(Path(args.requests_out), name, policy, len(rows[(name, policy)]), results)
                 if args.decision_log and not policy.startswith("vllm-router"):
-                    log(f"{name:<12} {policy:<24} decisions: {decision_summary(f'routing-router-{tag}')}")
+                    lines = decision_lines(
+                        [f"routing-router-{tag}", *(f"routing-router-{tag}-{r}" for r in range(1, replicas))]
+                    )
+                    log(f"{name:<12} {policy:<24} decisions: {decision_summary(lines)}")
+                    log(f"{name:<12} {policy:<24} TTFT tail: {tail_summary(results, lines)}")
                 log(
                     f"{name:<12} {policy:<24} hit {s['hit_share']:.3f} ({s['of_ceiling']:.0%} of ceiling; "
                     f"usage {s['usage_hit_share']:.3f}; timed ceiling {s['timed_ceiling']:.3f})  TTFT p50 {s['ttft_p50']:.0f} p90 {s['ttft_p90']:.0f} ms "

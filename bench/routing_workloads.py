@@ -249,3 +249,63 @@ def ceilings(reqs: list[Req], block_size: int, lru_blocks: int | None = None) ->
         "ceiling": hit_inf / total if total else 0.0,
         "lru_fleet": hit_lru / total if total else 0.0,
     }
+
+
+def ttft_tail(
+    results: list[dict],
+    engine_of: dict[str, str],
+    per_token: float,
+    overhead: float,
+    q: float = 0.9,
+    busy_s: float = 0.05,
+) -> dict:
+    """Why the requests at or above the TTFT quantile `q` waited, from what was observed: each engine's prefill
+    lane is rebuilt from the requests sent there (`engine_of`: request id to engine, from the router's decision
+    log), a request's own prefill (`overhead` plus `per_token` per uncached prompt token, the simulator's timing)
+    ending at its first token. At each tail request's send time, the prefill still pending on every engine: was
+    it placed behind more than the least-pending engine had (by more than `busy_s` / 5, two blocks' worth at
+    the bench's timing), did every engine have at least `busy_s` pending (a burst no placement avoids), or
+    neither (its wait is the machine's: HTTP, the router, the engine's event loop)?"""
+    ok = [r for r in results if r.get("ok") and r.get("request_id") in engine_of]
+    if not ok:
+        return {"tail": 0}
+    own = {id(r): overhead + max(0, r.get("prompt", 0) - r.get("cached", 0)) * per_token for r in ok}
+    lanes: dict[str, list[tuple[str, float, float, float]]] = {}  # (request id, sent, first token, own)
+    for r in ok:
+        lane = lanes.setdefault(engine_of[r["request_id"]], [])
+        lane.append((r["request_id"], r["sent"], r["sent"] + r["ttft"], own[id(r)]))
+
+    def pending(engine: str, at: float, request_id: str) -> float:
+        """Prefill work still ahead on `engine` at `at`, of the requests sent there before and not yet served."""
+        return sum(
+            min(work, end - at)
+            for rid, sent, end, work in lanes[engine]
+            if sent < at < end and rid != request_id
+        )
+
+    line = sorted(r["ttft"] for r in ok)[min(len(ok) - 1, int(q * len(ok)))]
+    tail = [r for r in ok if r["ttft"] >= line]
+    behind = burst = machine = 0
+    waits, machine_waits = [], []
+    for r in tail:
+        here = {engine: pending(engine, r["sent"], r["request_id"]) for engine in lanes}
+        mine, least = here[engine_of[r["request_id"]]], min(here.values())
+        wait = max(0.0, r["ttft"] - own[id(r)])
+        waits.append(wait)
+        if mine > least + busy_s / 5:
+            behind += 1
+        elif least >= busy_s:
+            burst += 1
+        else:
+            machine += 1
+            machine_waits.append(wait)
+    owns = sorted(own[id(r)] for r in tail)
+    return {
+        "tail": len(tail),
+        "own_median": owns[len(owns) // 2],
+        "wait_median": sorted(waits)[len(waits) // 2],
+        "behind": behind,
+        "burst": burst,
+        "machine": machine,
+        "machine_wait_median": sorted(machine_waits)[len(machine_waits) // 2] if machine_waits else 0.0,
+    }

@@ -50,6 +50,32 @@ def test_the_timed_ceiling_counts_a_prefix_computed_before_the_requests_first_to
     assert wl.timed_ceiling([first, second], [{"ok": False}, early], BLOCK) == 0.0
 
 
+def test_the_ttft_tail_tells_a_placement_behind_a_queue_from_a_burst_and_from_the_machine():
+    per_token, overhead = 0.00003, 0.005  # a cold 10,000-token prompt: 0.305 s of its own prefill
+
+    def req(rid, sent, prompt, ttft, cached=0):
+        return {"ok": True, "request_id": rid, "sent": sent, "prompt": prompt, "cached": cached, "ttft": ttft}
+
+    results = [
+        req("r1", 0.00, 10_000, 0.31),  # nothing pending anywhere: its 5 ms of wait are the machine's
+        req("r3", 0.05, 1_000, 0.04),  # on B while A prefills r1: the least-pending engine
+        req("r2", 0.10, 10_000, 0.52),  # on A behind r1's last 0.21 s while B had nothing: placed behind
+        req("r5", 0.25, 10_000, 0.31),  # on B, idle by then, while A had r1 and r2 to finish
+        req("r4", 0.30, 1_000, 0.30),  # on B behind r5, but A had more: every engine busy
+        req("lost", 0.40, 1_000, 0.9),  # not in the decision log: left out
+        {"ok": False, "request_id": "failed", "sent": 0.5},
+    ]
+    engine_of = {"r1": "A", "r2": "A", "r3": "B", "r4": "B", "r5": "B"}
+    tail = wl.ttft_tail(results, engine_of, per_token, overhead, q=0.0)
+    assert (tail["tail"], tail["behind"], tail["burst"], tail["machine"]) == (5, 1, 1, 3)
+    assert abs(tail["own_median"] - 0.305) < 1e-9
+    # At p90 only the slowest is left: r2, placed behind.
+    top = wl.ttft_tail(results, engine_of, per_token, overhead, q=0.9)
+    assert (top["tail"], top["behind"], top["burst"], top["machine"]) == (1, 1, 0, 0)
+    assert abs(top["wait_median"] - (0.52 - 0.305)) < 1e-9
+    assert wl.ttft_tail(results, {}, per_token, overhead) == {"tail": 0}
+
+
 def test_a_turn_waits_for_the_turn_it_continues():
     system = [100]  # an id every conversation starts with: not a conversation of its own
     turn1 = Req(0.0, system + [7, 8], 1500, 4)
