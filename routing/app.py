@@ -189,7 +189,11 @@ class Router:
                 load = self.loads.get(endpoint.id)
                 own = load.own(now) if load is not None else 0.0
                 if load is not None and (load.active or own > 0.01):
-                    pipe.hset(key, self.replica_id, f"{own:.3f} {load.active} {wall:.3f} {load.prefill:.0f}")
+                    pipe.hset(
+                        key,
+                        self.replica_id,
+                        f"{own:.3f} {load.active} {wall:.3f} {load.prefill_left(now):.0f}",
+                    )
                 else:
                     pipe.hdel(key, self.replica_id)
                 pipe.expire(key, REPLICA_LOAD_TTL_S)
@@ -502,7 +506,7 @@ class Exchange:
         self.endpoint_name = ""
         self.first_byte_at: float | None = None
         # While the chosen engine prefills this prompt: its load, and the tokens added to its prefill backlog.
-        self._prefilling: tuple[EndpointLoad, float] | None = None
+        self._prefilling: tuple[EndpointLoad, list] | None = None
         # True once a prefill engine computed the prompt and the decode engine is to pull its KV.
         self.prefilled_remotely = False
         self.streamed_events = 0
@@ -574,8 +578,7 @@ class Exchange:
             uncached = (
                 0 if self.prefilled_remotely else self.ctx.prompt_tokens_estimate - self.predicted_cached
             )
-            self._prefilling = load, float(max(0, uncached))
-            load.prefill += self._prefilling[1]
+            self._prefilling = load, load.prefill_began(float(max(0, uncached)), time.monotonic())
             try:
                 if await self._try(endpoint.url, body):
                     return
@@ -627,8 +630,10 @@ class Exchange:
     async def _prefill_leg(self, endpoint: EndpointInfo) -> dict | None:
         load = self.router.loads.setdefault(endpoint.id, EndpointLoad())
         load.begin()
-        backlog = float(uncached_tokens(self.deployment, self.ctx, endpoint.id))
-        load.prefill += backlog
+        lane = load.prefill_began(
+            float(uncached_tokens(self.deployment, self.ctx, endpoint.id)), time.monotonic()
+        )
+        answered = False
         try:
             async with self.router.upstream.post(
                 endpoint.url + self.scope["path"], prefill_body(self.payload), self._upstream_headers()
@@ -637,12 +642,13 @@ class Exchange:
                     await resp.read()
                     return None
                 answer = orjson.loads(await resp.read())
+                answered = True  # the leg's one token: its prefill is over
         except (UpstreamError, orjson.JSONDecodeError) as exc:
             log.info("prefill leg on %s failed (%s); the decode engine prefills itself", endpoint.name, exc)
             return None
         finally:
             load.end()
-            load.prefill -= backlog
+            load.prefill_ended(lane, time.monotonic(), answered)
         params = answer.get("kv_transfer_params")
         if not isinstance(params, dict) or not params.get("do_remote_prefill"):
             return None
@@ -723,7 +729,7 @@ class Exchange:
                     self._first_byte()
                     await self.send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
                 if self.streamed_events and self._prefilling is not None:
-                    self._prefill_done()  # the first token: the engine's prefill of this prompt is over
+                    self._prefill_done(first_token=True)  # the engine's prefill of this prompt is over
         except UpstreamError as exc:
             # The engine died mid-stream: tell the client in its dialect, bill what was streamed.
             metrics.of(metrics.errors, self.model, "midstream").inc()
@@ -749,10 +755,10 @@ class Exchange:
         await self.complete()
         await self.send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    def _prefill_done(self) -> None:
+    def _prefill_done(self, first_token: bool = False) -> None:
         if self._prefilling is not None:
-            load, tokens = self._prefilling
-            load.prefill -= tokens
+            load, lane = self._prefilling
+            load.prefill_ended(lane, time.monotonic(), first_token)
             self._prefilling = None
 
     def _first_byte(self) -> None:

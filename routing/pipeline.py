@@ -8,9 +8,11 @@ A new scorer is one class and one entry in SCORERS.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -45,11 +47,59 @@ class EndpointLoad:
     others_active: int = 0  # their requests in flight there
     # Prefill backlog: the uncached prompt tokens of this replica's requests there awaiting a first token.
     prefill: float = 0.0
-    others_prefill: float = 0.0  # the other replicas' prefill backlog there
+    others_prefill: float = 0.0  # the other replicas' prefill backlog there (their prefill_left)
+    # Seconds per prefilled token there, learned from first tokens (0: not yet known); see prefill_left.
+    prefill_s_per_token: float = 0.0
+    _lane: deque = field(default_factory=deque)  # this replica's prefills there, in the order sent
+    _head_since: float = (
+        0.0  # when the lane's oldest prefill began: its send, or the one before's first token
+    )
     _recent: float = 0.0
     _recent_at: float = 0.0
     _served: float = 0.0
     _served_at: float = 0.0
+
+    def prefill_began(self, tokens: float, now: float) -> list:
+        """A prefill of `tokens` uncached prompt tokens is sent there; the handle is for prefill_ended."""
+        entry = [tokens]
+        if not self._lane:
+            self._head_since = now
+        self._lane.append(entry)
+        self.prefill += tokens
+        return entry
+
+    def prefill_ended(self, entry: list, now: float, first_token: bool = True) -> None:
+        """That prefill is over (`first_token`: its first token came now; else the request ended without one).
+        The lane's oldest prefill ending on its first token tells how fast the engine prefills: the time since it
+        began, over its tokens."""
+        self.prefill -= entry[0]
+        if self._lane and self._lane[0] is entry:
+            self._lane.popleft()
+            took = now - self._head_since
+            if first_token and entry[0] >= RATE_SAMPLE_TOKENS and took > 0:
+                self._learn(took / entry[0])
+            self._head_since = now
+        else:
+            with contextlib.suppress(ValueError):
+                self._lane.remove(entry)
+
+    def _learn(self, sample: float) -> None:
+        known = self.prefill_s_per_token
+        if known:
+            # One sample moves the estimate a fifth of the way, and at most by half or double: a prompt the
+            # engine found cached beyond the router's guess comes back fast without being the engine's speed.
+            sample = min(max(sample, known / 2), known * 2)
+            sample = known + (sample - known) / 5
+        self.prefill_s_per_token = sample
+
+    def prefill_left(self, now: float) -> float:
+        """The prefill backlog less what the engine has computed of the oldest one since it began (at the
+        learned speed): a long prompt near the end of its prefill is not a long wait for the next request."""
+        if not self._lane or not self.prefill_s_per_token:
+            return self.prefill
+        head = self._lane[0][0]
+        done = min(head, (now - self._head_since) / self.prefill_s_per_token)
+        return max(0.0, self.prefill - done)
 
     def begin(self, weight: float = 1.0) -> None:
         """A request of this replica starts there (weight: request_weight)."""
@@ -138,7 +188,8 @@ class PrefillBacklogScorer:
     name = "prefill"
 
     def score(self, ctx, candidates, policy):
-        backlogs = [c.load.prefill + c.load.others_prefill for c in candidates]
+        now = time.monotonic()
+        backlogs = [c.load.prefill_left(now) + c.load.others_prefill for c in candidates]
         scale = max(max(backlogs), ctx.prompt_tokens_estimate, 1)
         return [1.0 - b / scale for b in backlogs]
 
@@ -207,6 +258,8 @@ class SessionAffinityScorer:
 
 
 RECENT_WINDOW_S = 5.0
+# Prefills shorter than this do not teach the prefill speed: their time is mostly the engine's fixed overhead.
+RATE_SAMPLE_TOKENS = 2048
 SERVED_WINDOW_S = 30.0
 CACHED_REQUEST_WEIGHT = 0.25
 
@@ -332,8 +385,9 @@ def prefill_ahead(ctx: RequestContext, candidates: Sequence[Candidate], block_si
         held.append(0 if c.guarded else blocks)
     floor = int(common_floor(held))
     span = max(0, ctx.prompt_tokens_estimate - floor * block_size)
+    now = time.monotonic()
     return [
-        c.load.prefill + c.load.others_prefill + max(0, span - max(0, h - floor) * block_size)
+        c.load.prefill_left(now) + c.load.others_prefill + max(0, span - max(0, h - floor) * block_size)
         for c, h in zip(candidates, held, strict=True)
     ]
 

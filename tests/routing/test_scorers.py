@@ -115,6 +115,50 @@ def test_the_prefill_backlog_is_counted_in_the_prompts_own_length_and_from_every
     assert [c.scores["prefill"] for c in candidates] == [0.75, 0.5, 1.0]
 
 
+def test_the_prefill_backlog_drains_at_the_speed_the_engine_showed():
+    load = EndpointLoad()
+    first = load.prefill_began(10_000, now=0.0)
+    assert load.prefill_left(0.5) == 10_000  # no speed known yet: the whole backlog
+    load.prefill_ended(first, now=1.0)  # its first token a second after it was sent: 0.1 ms per token
+    assert load.prefill_s_per_token == 1e-4 and load.prefill == 0
+    head = load.prefill_began(10_000, now=10.0)
+    behind = load.prefill_began(4_000, now=10.2)
+    # Half a second into the oldest, half of it is computed; the one behind it has not begun.
+    assert abs(load.prefill_left(10.5) - 9_000) < 1e-6
+    # Past its expected end, the oldest counts as done, never more: what is behind it is still to come.
+    assert load.prefill_left(12.0) == 4_000
+    # A prefill that ends out of turn leaves the lane without teaching the speed; the oldest is still where it was.
+    load.prefill_ended(behind, now=10.6)
+    assert load.prefill_s_per_token == 1e-4 and abs(load.prefill_left(10.5) - 5_000) < 1e-6
+    # The oldest ending without a first token (an answer not streamed) does not teach it either.
+    load.prefill_ended(head, now=11.0, first_token=False)
+    assert load.prefill_s_per_token == 1e-4 and load.prefill_left(11.0) == 0
+    # A prompt the engine found cached comes back fast: the estimate moves a fifth of the way to half of it.
+    quick = load.prefill_began(10_000, now=20.0)
+    load.prefill_ended(quick, now=20.01)
+    assert abs(load.prefill_s_per_token - (1e-4 + (0.5e-4 - 1e-4) / 5)) < 1e-12
+    # Short prefills are mostly the engine's fixed overhead: they teach nothing.
+    short = load.prefill_began(500, now=30.0)
+    load.prefill_ended(short, now=31.0)
+    assert abs(load.prefill_s_per_token - 0.9e-4) < 1e-12
+
+
+def test_a_cold_prompt_goes_where_the_prefill_ahead_ends_soonest_not_where_fewer_tokens_are_queued():
+    # Engine 0 has 20,000 tokens to prefill, three quarters of them computed by now; engine 1 has 12,000 that
+    # have not begun (its oldest was sent just now). Counted in tokens sent, engine 1 looks lighter.
+    dep = deployment(2)
+    now = time.monotonic()
+    loads = {0: EndpointLoad(active=1), 1: EndpointLoad(active=1)}
+    for load in loads.values():
+        load.prefill_s_per_token = 3e-5  # 30 us per token: 20,000 tokens in 0.6 s
+    loads[0].prefill_began(20_000, now - 0.45)
+    loads[1].prefill_began(12_000, now)
+    ctx = RequestContext(model="tiny", prompt_tokens_estimate=8000, block_keys=["k"] * 62, block_count=62)
+    pick, candidates = Pipeline().choose(dep, ctx, loads)
+    assert candidates[0].scores["prefill"] > candidates[1].scores["prefill"]
+    assert pick.endpoint.id == 0
+
+
 def test_the_load_guard_weighs_requests_by_the_prefill_they_bring():
     assert request_weight(1000, 0) == 1.0
     assert request_weight(1000, 1000) == 0.25
