@@ -35,6 +35,7 @@ from .pipeline import (
     Candidate,
     EndpointLoad,
     Pipeline,
+    Prefill,
     RequestContext,
     request_weight,
 )
@@ -506,7 +507,7 @@ class Exchange:
         self.endpoint_name = ""
         self.first_byte_at: float | None = None
         # While the chosen engine prefills this prompt: its load, and the tokens added to its prefill backlog.
-        self._prefilling: tuple[EndpointLoad, list] | None = None
+        self._prefilling: tuple[EndpointLoad, Prefill] | None = None
         # True once a prefill engine computed the prompt and the decode engine is to pull its KV.
         self.prefilled_remotely = False
         self.streamed_events = 0

@@ -36,6 +36,13 @@ class RequestContext:
     session_endpoint: int | None = None
 
 
+@dataclass(eq=False, slots=True)
+class Prefill:
+    """One prefill in an engine's lane; compared by identity, so equal ones (two fully cached prompts) stay apart."""
+
+    tokens: float
+
+
 @dataclass
 class EndpointLoad:
     active: int = 0  # requests this router replica has in flight there
@@ -50,34 +57,33 @@ class EndpointLoad:
     others_prefill: float = 0.0  # the other replicas' prefill backlog there (their prefill_left)
     # Seconds per prefilled token there, learned from first tokens (0: not yet known); see prefill_left.
     prefill_s_per_token: float = 0.0
-    _lane: deque = field(default_factory=deque)  # this replica's prefills there, in the order sent
-    _head_since: float = (
-        0.0  # when the lane's oldest prefill began: its send, or the one before's first token
-    )
+    _lane: deque[Prefill] = field(default_factory=deque)  # this replica's prefills there, in the order sent
+    # When the lane's oldest prefill began: its send, or the first token of the one before it.
+    _head_since: float = 0.0
     _recent: float = 0.0
     _recent_at: float = 0.0
     _served: float = 0.0
     _served_at: float = 0.0
 
-    def prefill_began(self, tokens: float, now: float) -> list:
+    def prefill_began(self, tokens: float, now: float) -> Prefill:
         """A prefill of `tokens` uncached prompt tokens is sent there; the handle is for prefill_ended."""
-        entry = [tokens]
+        entry = Prefill(tokens)
         if not self._lane:
             self._head_since = now
         self._lane.append(entry)
         self.prefill += tokens
         return entry
 
-    def prefill_ended(self, entry: list, now: float, first_token: bool = True) -> None:
+    def prefill_ended(self, entry: Prefill, now: float, first_token: bool = True) -> None:
         """That prefill is over (`first_token`: its first token came now; else the request ended without one).
         The lane's oldest prefill ending on its first token tells how fast the engine prefills: the time since it
         began, over its tokens."""
-        self.prefill -= entry[0]
+        self.prefill -= entry.tokens
         if self._lane and self._lane[0] is entry:
             self._lane.popleft()
             took = now - self._head_since
-            if first_token and entry[0] >= RATE_SAMPLE_TOKENS and took > 0:
-                self._learn(took / entry[0])
+            if first_token and entry.tokens >= RATE_SAMPLE_TOKENS and took > 0:
+                self._learn(took / entry.tokens)
             self._head_since = now
         else:
             with contextlib.suppress(ValueError):
@@ -97,7 +103,7 @@ class EndpointLoad:
         learned speed): a long prompt near the end of its prefill is not a long wait for the next request."""
         if not self._lane or not self.prefill_s_per_token:
             return self.prefill
-        head = self._lane[0][0]
+        head = self._lane[0].tokens
         done = min(head, (now - self._head_since) / self.prefill_s_per_token)
         return max(0.0, self.prefill - done)
 

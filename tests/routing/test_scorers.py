@@ -130,6 +130,12 @@ def test_the_prefill_backlog_drains_at_the_speed_the_engine_showed():
     # A prefill that ends out of turn leaves the lane without teaching the speed; the oldest is still where it was.
     load.prefill_ended(behind, now=10.6)
     assert load.prefill_s_per_token == 1e-4 and abs(load.prefill_left(10.5) - 5_000) < 1e-6
+    # Prefills of equal size are told apart: a fully cached one behind a fully cached oldest ends first, and
+    # the oldest is still the oldest (its lane position, not its size, decides).
+    cached_head, cached_behind = load.prefill_began(0, now=10.7), load.prefill_began(0, now=10.8)
+    load.prefill_ended(cached_behind, now=10.9)
+    assert load._lane[-1] is cached_head and len(load._lane) == 2
+    load.prefill_ended(cached_head, now=10.95)
     # The oldest ending without a first token (an answer not streamed) does not teach it either.
     load.prefill_ended(head, now=11.0, first_token=False)
     assert load.prefill_s_per_token == 1e-4 and load.prefill_left(11.0) == 0
