@@ -42,6 +42,7 @@ from .pipeline import (
 from .prefix import PrefixRouting
 from .redis_pool import router_redis
 from .state import DeploymentInfo, EndpointInfo, KeyInfo, Snapshot, load_snapshot
+from .tokenize import token_ids
 from .upstream import Response, UpstreamError, UpstreamPool
 
 log = logging.getLogger(__name__)
@@ -810,7 +811,7 @@ def _prompt_token_bound(payload: dict) -> int:
     """An upper bound of the prompt's tokens without tokenising: byte-level BPE tokens cover at least one byte
     each, plus a few template tokens per message."""
     prompt = payload.get("prompt")
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+    if token_ids(prompt) is not None:
         return len(prompt)
     total = 0
     for part in (

@@ -61,6 +61,13 @@ added = Histogram(
     buckets=ADDED_BUCKETS,
     registry=registry,
 )
+index_lookup = Histogram(
+    "router_prefix_index_lookup_seconds",
+    "Round trip of the precise prefix index lookup in Redis, one per request routed by it.",
+    ["model"],
+    buckets=ADDED_BUCKETS,
+    registry=registry,
+)
 tokens = Counter(
     "router_tokens",
     "Tokens by model, endpoint and kind (prompt, cached_prompt, output).",

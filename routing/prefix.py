@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from array import array
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,7 +19,7 @@ from .blocks import block_keys, chain_seed, hex_keys
 from .pipeline import Candidate, RequestContext
 from .prefix_index import PrefixIndex
 from .state import DeploymentInfo
-from .tokenize import RouterTokenizer
+from .tokenize import RouterTokenizer, token_ids
 
 log = logging.getLogger(__name__)
 decisions = logging.getLogger("routing.decisions")
@@ -55,11 +56,9 @@ class PrefixRouting:
 
     def _tokens(self, deployment: DeploymentInfo, payload: dict, path: str) -> array | None:
         tokenizer = self._tokenizer(deployment)
-        prompt = payload.get("prompt")
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            return array("I", prompt)
         if tokenizer is None:
             return None
+        prompt = payload.get("prompt")
         if isinstance(prompt, str):
             return tokenizer.encode_prompt(prompt)
         messages = payload.get("messages")
@@ -77,12 +76,15 @@ class PrefixRouting:
             ctx.session_endpoint = self.sessions.get(f"{deployment.id}:{session_id}")
         if deployment.policy.mode not in PREFIX_MODES and not deployment.has_prefill_pool:
             return ctx  # neither prefix scores nor a P/D decision need the prompt's tokens
-        try:
-            loop = asyncio.get_running_loop()
-            tokens = await loop.run_in_executor(self._executor, self._tokens, deployment, payload, path)
-        except Exception as exc:  # a template the messages do not fit: the engine will say so
-            log.info("could not tokenise a request for %s: %s", deployment.name, exc)
-            return ctx
+        # Token ids need no tokenizer, and converting them costs less than a hop to the tokenizing thread.
+        tokens = token_ids(payload.get("prompt"))
+        if tokens is None:
+            try:
+                loop = asyncio.get_running_loop()
+                tokens = await loop.run_in_executor(self._executor, self._tokens, deployment, payload, path)
+            except Exception as exc:  # a template the messages do not fit: the engine will say so
+                log.info("could not tokenise a request for %s: %s", deployment.name, exc)
+                return ctx
         if tokens is None:
             return ctx
         ctx.prompt_tokens_estimate = len(tokens)
@@ -91,7 +93,11 @@ class PrefixRouting:
         )
         ctx.block_count = len(ctx.block_keys)
         if deployment.policy.mode == "precise":
+            asked = time.perf_counter()
             ctx.held = await self.index.lookup(deployment.id, ctx.block_keys)
+            metrics.of(metrics.index_lookup, deployment.served_model_name).observe(
+                time.perf_counter() - asked
+            )
         elif deployment.policy.mode == "approximate":
             ctx.approx_held = self.approximate.lookup(ctx.block_keys)
         return ctx
@@ -113,10 +119,12 @@ class PrefixRouting:
             if deployment.policy.mode == "precise":
                 held = ctx.held.get(endpoint)
                 predicted_blocks = held.blocks if held else 0
-                task = asyncio.get_running_loop().create_task(
-                    self.index.speculate(deployment.id, endpoint, ctx.block_keys)
-                )
-                task.add_done_callback(_log_failure)
+                # The leading blocks it holds already have an entry, which a speculative one never replaces.
+                if predicted_blocks < ctx.block_count:
+                    task = asyncio.get_running_loop().create_task(
+                        self.index.speculate(deployment.id, endpoint, ctx.block_keys[predicted_blocks:])
+                    )
+                    task.add_done_callback(_log_failure)
             elif deployment.policy.mode == "approximate":
                 predicted_blocks = ctx.approx_held.get(endpoint, 0)
                 self.approximate.record(endpoint, ctx.block_keys)

@@ -1,4 +1,5 @@
-"""The index lookups on their own: the exact walk and the bisection agree where cached blocks form prefixes."""
+"""The index lookups on their own: the exact walk and the bisection agree where cached blocks form prefixes;
+and the speculative entries a routing decision writes."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import redis.asyncio as aioredis
 from django.conf import settings
 
 from routing.blocks import block_keys, chain_seed, hex_keys
+from routing.pipeline import Candidate, EndpointLoad
+from routing.prefix import PrefixRouting
 from routing.prefix_index import BISECT_FROM_BLOCKS, Held, PrefixIndex
+from routing.state import DeploymentInfo, EndpointInfo, PolicyInfo
 
 
 def run(coro):
@@ -53,3 +57,59 @@ def test_walk_and_bisection_agree_on_prefix_closed_holdings(blocks):
     }
     assert walked == expected
     assert missing == {}
+
+
+def test_a_decision_writes_speculative_entries_only_for_the_blocks_the_chosen_engine_lacks():
+    endpoints = tuple(EndpointInfo(i, f"e{i}", f"http://127.0.0.1:{9000 + i}", "both", 1) for i in (1, 2))
+    deployment = DeploymentInfo(
+        id=881_001,
+        name="t",
+        served_model_name="t",
+        max_model_len=32768,
+        block_size=16,
+        policy=PolicyInfo(mode="precise"),
+        endpoints=endpoints,
+        created=0,
+    )
+    tokens = [random.Random(7).randrange(100, 4000) for _ in range(20 * 16 + 5)]
+    keys = hex_keys(block_keys(tokens, 16, chain_seed("t")))
+
+    async def decide(routing: PrefixRouting, endpoint: EndpointInfo):
+        ctx = await routing.context(deployment, {"prompt": tokens}, "/v1/completions", None)
+        candidates = [Candidate(e, EndpointLoad()) for e in endpoints]
+        predicted = routing.chosen(deployment, ctx, candidates[endpoints.index(endpoint)], candidates)
+        await asyncio.gather(*(t for t in asyncio.all_tasks() if t is not asyncio.current_task()))
+        return ctx.held, predicted
+
+    async def scenario():
+        client = aioredis.Redis.from_url(settings.REDIS_URL)
+        try:
+            for key in keys[:12]:
+                await client.hset(f"px:{deployment.id}:{key}", "1", "g")
+            routing = PrefixRouting(client)
+            speculate, sent = routing.index.speculate, []
+
+            async def recorded(deployment_id, endpoint_id, block_keys):
+                sent.append((endpoint_id, list(block_keys)))
+                await speculate(deployment_id, endpoint_id, block_keys)
+
+            routing.index.speculate = recorded
+            first = await decide(routing, endpoints[0])
+            written_first = set(await client.zrange(f"pxsp:{deployment.id}", 0, -1))
+            second = await decide(routing, endpoints[1])
+            written = set(await client.zrange(f"pxsp:{deployment.id}", 0, -1)) - written_first
+            after = await routing.index.lookup(deployment.id, keys)
+            return first, written_first, second, written, after, sent
+        finally:
+            await client.delete(f"pxsp:{deployment.id}", *[f"px:{deployment.id}:{key}" for key in keys])
+            await client.aclose()
+
+    (held, predicted), written_first, (held_second, _), written_second, after, sent = run(scenario())
+    assert held == {1: Held(gpu=12)} and predicted == 12 * 16
+    # Endpoint 1 holds the first 12 blocks: only the 8 after them are sent, and get speculative entries.
+    assert sent == [(1, keys[12:]), (2, keys)]
+    assert written_first == {f"1|{key}".encode() for key in keys[12:]}
+    assert held_second == {1: Held(gpu=12, speculative=8)}
+    # Endpoint 2 held nothing of the prompt: every block gets one.
+    assert written_second == {f"2|{key}".encode() for key in keys}
+    assert after == {1: Held(gpu=12, speculative=8), 2: Held(speculative=20)}

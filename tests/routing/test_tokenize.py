@@ -6,7 +6,7 @@ import httpx
 import pytest
 
 from routing.blocks import block_keys, chain_seed
-from routing.tokenize import RouterTokenizer
+from routing.tokenize import RouterTokenizer, token_ids
 
 from ..serving.engines import MODEL_DIR, MODEL_NAME
 
@@ -63,3 +63,9 @@ def test_block_keys_chain_and_depend_on_the_model():
     assert block_keys(tokens[128:256], 128, seed, parent=keys[0]) == keys[1:]
     assert block_keys(tokens, 128, chain_seed("other-model"))[0] != keys[0]
     assert block_keys([7] + tokens[1:], 128, seed)[1] != keys[1]  # a block's key covers its whole prefix
+
+
+def test_a_prompt_of_token_ids_is_taken_as_it_is_and_anything_else_is_not():
+    assert token_ids([5, 0, 2**32 - 1]).tolist() == [5, 0, 2**32 - 1]
+    for prompt in ([], [-1, 2], [2**32], [1.5], ["a"], [[1, 2]], "1 2", None):
+        assert token_ids(prompt) is None, prompt
