@@ -4,7 +4,7 @@ and sessions. Bounded, in memory."""
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 
 class ApproximateIndex:
@@ -54,6 +54,59 @@ class ApproximateIndex:
                 owners.discard(endpoint)
                 if not owners:
                     del self._where[key]
+
+
+class RecentDecisions:
+    """This replica's own decisions of the last `ttl_s` seconds, for precise routing: the prompts' block keys by
+    endpoint. A lookup already on its way to Redis when a decision is made cannot see the speculative entries
+    that decision writes there; merging these in as its answer comes back closes that gap for this replica's
+    own requests (the other replicas see the entries in Redis)."""
+
+    def __init__(self, ttl_s: float):
+        self.ttl_s = ttl_s
+        self._decisions: deque[tuple[float, int, list[str]]] = deque()
+        self._senders: dict[str, dict[int, int]] = {}  # block key -> endpoint -> decisions that sent it there
+
+    def record(self, endpoint: int, keys: list[str], now: float) -> None:
+        self._expire(now)
+        if not keys or self.ttl_s <= 0:
+            return
+        self._decisions.append((now + self.ttl_s, endpoint, keys))
+        for key in keys:
+            senders = self._senders.setdefault(key, {})
+            senders[endpoint] = senders.get(endpoint, 0) + 1
+
+    def leading(self, keys: list[str], now: float) -> dict[int, int]:
+        """Per endpoint, how many of the leading keys a recent decision sent there."""
+        self._expire(now)
+        first = self._senders.get(keys[0]) if keys else None
+        if not first:
+            return {}
+        held: dict[int, int] = {}
+        alive = set(first)
+        for index in range(1, len(keys)):
+            here = self._senders.get(keys[index], {})
+            for endpoint in [e for e in alive if e not in here]:
+                held[endpoint] = index
+                alive.discard(endpoint)
+            if not alive:
+                return held
+        for endpoint in alive:
+            held[endpoint] = len(keys)
+        return held
+
+    def _expire(self, now: float) -> None:
+        decisions = self._decisions
+        while decisions and decisions[0][0] <= now:
+            _, endpoint, keys = decisions.popleft()
+            for key in keys:
+                senders = self._senders[key]
+                if senders[endpoint] > 1:
+                    senders[endpoint] -= 1
+                else:
+                    del senders[endpoint]
+                    if not senders:
+                        del self._senders[key]
 
 
 class SessionMap:

@@ -14,22 +14,26 @@ from pathlib import Path
 from django.conf import settings
 
 from . import metrics
-from .affinity import ApproximateIndex, SessionMap
+from .affinity import ApproximateIndex, RecentDecisions, SessionMap
 from .blocks import block_keys, chain_seed, hex_keys
 from .pipeline import Candidate, RequestContext
-from .prefix_index import PrefixIndex
+from .prefix_index import Held, PrefixIndex
 from .state import DeploymentInfo
 from .tokenize import RouterTokenizer, token_ids
 
 log = logging.getLogger(__name__)
 decisions = logging.getLogger("routing.decisions")
 PREFIX_MODES = ("approximate", "precise")
+RECENT_DECISIONS_S = 1.0
+NOTHING = Held()
 
 
 class PrefixRouting:
     def __init__(self, redis):
         self.index = PrefixIndex(redis, settings.ROUTER_SPECULATIVE_TTL_SECONDS)
         self.approximate = ApproximateIndex(settings.ROUTER_APPROX_BLOCKS_PER_ENDPOINT)
+        # Long enough for any lookup in flight at a decision to come back; Redis's entry serves after that.
+        self.recent = RecentDecisions(min(RECENT_DECISIONS_S, settings.ROUTER_SPECULATIVE_TTL_SECONDS))
         self.sessions = SessionMap()
         self._tokenizers: dict[str, RouterTokenizer | None] = {}
         # Tokenising runs off the event loop, one piece of work at a time (the piece cache is not shared).
@@ -94,10 +98,11 @@ class PrefixRouting:
         ctx.block_count = len(ctx.block_keys)
         if deployment.policy.mode == "precise":
             asked = time.perf_counter()
-            ctx.held = await self.index.lookup(deployment.id, ctx.block_keys)
+            held = await self.index.lookup(deployment.id, ctx.block_keys)
             metrics.of(metrics.index_lookup, deployment.served_model_name).observe(
                 time.perf_counter() - asked
             )
+            ctx.held = with_recent(held, self.recent.leading(ctx.block_keys, time.monotonic()))
         elif deployment.policy.mode == "approximate":
             ctx.approx_held = self.approximate.lookup(ctx.block_keys)
         return ctx
@@ -119,6 +124,7 @@ class PrefixRouting:
             if deployment.policy.mode == "precise":
                 held = ctx.held.get(endpoint)
                 predicted_blocks = held.blocks if held else 0
+                self.recent.record(endpoint, ctx.block_keys, time.monotonic())
                 # The leading blocks it holds already have an entry, which a speculative one never replaces.
                 if predicted_blocks < ctx.block_count:
                     task = asyncio.get_running_loop().create_task(
@@ -148,6 +154,16 @@ class PrefixRouting:
         metrics.of(metrics.prefix_prompt_tokens, *labels).inc(prompt)
         metrics.of(metrics.prefix_predicted_tokens, *labels).inc(predicted)
         metrics.of(metrics.prefix_reported_tokens, *labels).inc(cached)
+
+
+def with_recent(held: dict[int, Held], recent: dict[int, int]) -> dict[int, Held]:
+    """Redis's answer, with the leading blocks this replica's own recent decisions sent beyond it counted as
+    speculative."""
+    for endpoint, blocks in recent.items():
+        found = held.get(endpoint, NOTHING)
+        if blocks > found.blocks:
+            held[endpoint] = Held(found.gpu, found.cpu, found.speculative + blocks - found.blocks)
+    return held
 
 
 def anthropic_as_chat(payload: dict) -> list[dict]:

@@ -10,6 +10,7 @@ import pytest
 import redis.asyncio as aioredis
 from django.conf import settings
 
+from routing.affinity import RecentDecisions
 from routing.blocks import block_keys, chain_seed, hex_keys
 from routing.pipeline import Candidate, EndpointLoad
 from routing.prefix import PrefixRouting
@@ -113,3 +114,69 @@ def test_a_decision_writes_speculative_entries_only_for_the_blocks_the_chosen_en
     # Endpoint 2 held nothing of the prompt: every block gets one.
     assert written_second == {f"2|{key}".encode() for key in keys}
     assert after == {1: Held(gpu=12, speculative=8), 2: Held(speculative=20)}
+
+
+def test_recent_decisions_give_each_endpoints_leading_blocks_until_they_lapse():
+    recent = RecentDecisions(ttl_s=1.0)
+    keys = [f"{i:016x}" for i in range(10)]
+    recent.record(1, keys[:6], now=100.0)
+    recent.record(2, keys[:3], now=100.5)
+    recent.record(1, keys[:2], now=100.6)
+    assert recent.leading(keys, now=100.7) == {1: 6, 2: 3}
+    assert recent.leading(keys[:4], now=100.7) == {1: 4, 2: 3}
+    assert recent.leading(["f" * 16, *keys], now=100.7) == {}  # a different first block: nothing leads
+    # The first decision lapses; endpoint 1's second one (two blocks) still counts.
+    assert recent.leading(keys, now=101.2) == {1: 2, 2: 3}
+    assert recent.leading(keys, now=101.7) == {}
+    assert not recent._senders and not recent._decisions  # nothing kept once every decision lapsed
+
+
+def test_a_lookup_in_flight_at_a_decision_sees_that_decision_when_it_comes_back():
+    """Two requests sharing a new prompt, a moment apart: the second one's lookup left for Redis before the
+    first was placed, so Redis's answer cannot hold the first's speculative entries; the router's own record
+    of its recent decisions fills them in."""
+    endpoints = tuple(EndpointInfo(i, f"e{i}", f"http://127.0.0.1:{9000 + i}", "both", 1) for i in (1, 2))
+    deployment = DeploymentInfo(
+        id=881_002,
+        name="t",
+        served_model_name="t",
+        max_model_len=32768,
+        block_size=16,
+        policy=PolicyInfo(mode="precise"),
+        endpoints=endpoints,
+        created=0,
+    )
+    tokens = [random.Random(8).randrange(100, 4000) for _ in range(10 * 16)]
+    keys = hex_keys(block_keys(tokens, 16, chain_seed("t")))
+
+    async def scenario():
+        client = aioredis.Redis.from_url(settings.REDIS_URL)
+        try:
+            routing = PrefixRouting(client)
+            lookup, answered, release = routing.index.lookup, asyncio.Event(), asyncio.Event()
+
+            async def held_back(deployment_id, block_keys):
+                found = await lookup(deployment_id, block_keys)
+                answered.set()
+                await release.wait()  # Redis has answered; the first request is placed meanwhile
+                return found
+
+            first = await routing.context(deployment, {"prompt": tokens}, "/v1/completions", None)
+            routing.index.lookup = held_back
+            second = asyncio.create_task(
+                routing.context(deployment, {"prompt": tokens}, "/v1/completions", None)
+            )
+            await answered.wait()
+            candidates = [Candidate(e, EndpointLoad()) for e in endpoints]
+            routing.chosen(deployment, first, candidates[1], candidates)
+            release.set()
+            second = await second
+            await asyncio.gather(*(t for t in asyncio.all_tasks() if t is not asyncio.current_task()))
+            return first.held, second.held
+        finally:
+            await client.delete(f"pxsp:{deployment.id}", *[f"px:{deployment.id}:{key}" for key in keys])
+            await client.aclose()
+
+    first, second = run(scenario())
+    assert first == {}
+    assert second == {2: Held(speculative=10)}
