@@ -243,6 +243,9 @@ ROUTER_CONFIG_POLL_SECONDS = float(env_secret("ROUTER_CONFIG_POLL_SECONDS") or 1
 ROUTER_LOAD_SHARE_SECONDS = float(env_secret("ROUTER_LOAD_SHARE_SECONDS") or 0.1)
 ROUTER_SNAPSHOT_MAX_AGE = float(env_secret("ROUTER_SNAPSHOT_MAX_AGE") or 10.0)
 ROUTER_SPECULATIVE_TTL_SECONDS = float(env_secret("ROUTER_SPECULATIVE_TTL_SECONDS") or 3.0)
+# A precise lookup Redis has not answered by then is routed on the replica's own record instead (a guard
+# against Redis stalls; a lookup normally takes well under a millisecond plus the network's round trip).
+ROUTER_INDEX_LOOKUP_TIMEOUT_SECONDS = float(env_secret("ROUTER_INDEX_LOOKUP_TIMEOUT_SECONDS") or 0.01)
 ROUTER_APPROX_BLOCKS_PER_ENDPOINT = env_int("ROUTER_APPROX_BLOCKS_PER_ENDPOINT", 4096)
 ROUTER_DECISION_LOG_SAMPLE = float(env_secret("ROUTER_DECISION_LOG_SAMPLE") or 0.01)
 ROUTER_REDIS_MAX_CONNECTIONS = env_int("ROUTER_REDIS_MAX_CONNECTIONS", 256)

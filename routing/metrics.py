@@ -68,6 +68,12 @@ index_lookup = Histogram(
     buckets=ADDED_BUCKETS,
     registry=registry,
 )
+index_fallbacks = Counter(
+    "router_prefix_index_fallbacks",
+    "Precise lookups Redis did not answer in time (timeout) or at all (error), routed on the replica's own record.",
+    ["model", "reason"],
+    registry=registry,
+)
 tokens = Counter(
     "router_tokens",
     "Tokens by model, endpoint and kind (prompt, cached_prompt, output).",

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from django.conf import settings
+from redis.exceptions import RedisError
 
 from . import metrics
 from .affinity import ApproximateIndex, RecentDecisions, SessionMap
@@ -35,6 +36,8 @@ class PrefixRouting:
         # Long enough for any lookup in flight at a decision to come back; Redis's entry serves after that.
         self.recent = RecentDecisions(min(RECENT_DECISIONS_S, settings.ROUTER_SPECULATIVE_TTL_SECONDS))
         self.sessions = SessionMap()
+        self.lookup_timeout = settings.ROUTER_INDEX_LOOKUP_TIMEOUT_SECONDS
+        self._warn_after = 0.0
         self._tokenizers: dict[str, RouterTokenizer | None] = {}
         # Tokenising runs off the event loop, one piece of work at a time (the piece cache is not shared).
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
@@ -97,15 +100,46 @@ class PrefixRouting:
         )
         ctx.block_count = len(ctx.block_keys)
         if deployment.policy.mode == "precise":
-            asked = time.perf_counter()
-            held = await self.index.lookup(deployment.id, ctx.block_keys)
-            metrics.of(metrics.index_lookup, deployment.served_model_name).observe(
-                time.perf_counter() - asked
-            )
-            ctx.held = with_recent(held, self.recent.leading(ctx.block_keys, time.monotonic()))
+            ctx.held = await self._precise_held(deployment, ctx.block_keys)
         elif deployment.policy.mode == "approximate":
             ctx.approx_held = self.approximate.lookup(ctx.block_keys)
         return ctx
+
+    async def _precise_held(self, deployment: DeploymentInfo, keys: list[str]) -> dict[int, Held]:
+        """What each endpoint holds of the prompt, from the index in Redis; when Redis does not answer within
+        `lookup_timeout` (or fails), from this replica's own record of where it sent what, as approximate
+        routing would, rather than holding the request up."""
+        model = deployment.served_model_name
+        asked = time.perf_counter()
+        lookup = asyncio.ensure_future(self.index.lookup(deployment.id, keys))
+        try:
+            held = await asyncio.wait_for(asyncio.shield(lookup), self.lookup_timeout)
+        except TimeoutError:
+            lookup.add_done_callback(_consume)  # it finishes in the background; its connection stays usable
+            return self._fallback(model, keys, "timeout")
+        except RedisError as exc:
+            self._warn(
+                "the prefix index in Redis failed (%s); routing %s on this replica's record", exc, model
+            )
+            return self._fallback(model, keys, "error")
+        metrics.of(metrics.index_lookup, model).observe(time.perf_counter() - asked)
+        return with_recent(held, self.recent.leading(keys, time.monotonic()))
+
+    def _warn(self, message: str, *args) -> None:
+        """At most one warning per 10 s: while Redis is down, every request would say the same."""
+        if time.monotonic() >= self._warn_after:
+            self._warn_after = time.monotonic() + 10
+            log.warning(message, *args)
+
+    def _speculated(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            self._warn("could not write speculative prefix entries: %s", task.exception())
+
+    def _fallback(self, model: str, keys: list[str], reason: str) -> dict[int, Held]:
+        metrics.of(metrics.index_fallbacks, model, reason).inc()
+        return {
+            endpoint: Held(speculative=blocks) for endpoint, blocks in self.approximate.lookup(keys).items()
+        }
 
     def chosen(
         self,
@@ -125,12 +159,13 @@ class PrefixRouting:
                 held = ctx.held.get(endpoint)
                 predicted_blocks = held.blocks if held else 0
                 self.recent.record(endpoint, ctx.block_keys, time.monotonic())
+                self.approximate.record(endpoint, ctx.block_keys)  # for lookups Redis does not answer in time
                 # The leading blocks it holds already have an entry, which a speculative one never replaces.
                 if predicted_blocks < ctx.block_count:
                     task = asyncio.get_running_loop().create_task(
                         self.index.speculate(deployment.id, endpoint, ctx.block_keys[predicted_blocks:])
                     )
-                    task.add_done_callback(_log_failure)
+                    task.add_done_callback(self._speculated)
             elif deployment.policy.mode == "approximate":
                 predicted_blocks = ctx.approx_held.get(endpoint, 0)
                 self.approximate.record(endpoint, ctx.block_keys)
@@ -198,6 +233,6 @@ def _fmt(ctx: RequestContext, candidate: Candidate) -> str:
     return ",".join(parts)
 
 
-def _log_failure(task: asyncio.Task) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.warning("could not write speculative prefix entries: %s", task.exception())
+def _consume(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()  # read, so a late failure is not reported as never retrieved

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 import redis.asyncio as aioredis
 from django.conf import settings
 
+from inference_platform.ports import free_port
+from routing import metrics
 from routing.affinity import RecentDecisions
 from routing.blocks import block_keys, chain_seed, hex_keys
 from routing.pipeline import Candidate, EndpointLoad
@@ -180,3 +183,55 @@ def test_a_lookup_in_flight_at_a_decision_sees_that_decision_when_it_comes_back(
     first, second = run(scenario())
     assert first == {}
     assert second == {2: Held(speculative=10)}
+
+
+def fallback_count(reason: str) -> float:
+    return metrics.of(metrics.index_fallbacks, "t", reason)._value.get()
+
+
+@pytest.mark.parametrize("redis_is", ["refusing connections", "not answering"])
+def test_when_redis_fails_or_stalls_a_precise_lookup_routes_on_the_replicas_own_record(redis_is):
+    """No mock: a port nobody listens on, or a server that accepts and never answers."""
+    endpoints = tuple(EndpointInfo(i, f"e{i}", f"http://127.0.0.1:{9000 + i}", "both", 1) for i in (1, 2))
+    deployment = DeploymentInfo(
+        id=881_003,
+        name="t",
+        served_model_name="t",
+        max_model_len=32768,
+        block_size=16,
+        policy=PolicyInfo(mode="precise"),
+        endpoints=endpoints,
+        created=0,
+    )
+    tokens = [random.Random(9).randrange(100, 4000) for _ in range(6 * 16)]
+    reason = "error" if redis_is == "refusing connections" else "timeout"
+
+    async def scenario():
+        silent = None
+        if redis_is == "refusing connections":
+            url = f"redis://127.0.0.1:{free_port()}/0"
+        else:
+            silent = await asyncio.start_server(lambda reader, writer: None, "127.0.0.1", 0)
+            url = f"redis://127.0.0.1:{silent.sockets[0].getsockname()[1]}/0"
+        client = aioredis.Redis.from_url(url, socket_timeout=5)
+        try:
+            routing = PrefixRouting(client)
+            candidates = [Candidate(e, EndpointLoad()) for e in endpoints]
+            first = await routing.context(deployment, {"prompt": tokens[:64]}, "/v1/completions", None)
+            routing.chosen(deployment, first, candidates[1], candidates)
+            started = time.perf_counter()
+            second = await routing.context(deployment, {"prompt": tokens}, "/v1/completions", None)
+            return first.held, second.held, time.perf_counter() - started
+        finally:
+            await client.aclose()
+            if silent is not None:
+                silent.close()
+
+    before = fallback_count(reason)
+    first, second, took = run(scenario())
+    assert first == {}
+    assert second == {
+        2: Held(speculative=4)
+    }  # the first request's 4 blocks, from where this replica sent them
+    assert fallback_count(reason) == before + 2
+    assert took < 1.0  # not held up until the client's own 5 s socket timeout
