@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import contextlib
 import datetime as dt
+import http.client
 import itertools
 import json
 import os
@@ -241,6 +242,17 @@ def start_vllm_router(procs: ro.Processes, venv: Path, engines: list[Engine], ta
     ]
     proc = procs.start(f"routing-vllm-router-{tag}", argv, core=None, full_env=ro.peer_env())
     return proc, port
+
+
+def router_metrics(port: int) -> str:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        conn.request("GET", "/metrics")
+        return conn.getresponse().read().decode()
+    except OSError:
+        return ""
+    finally:
+        conn.close()
 
 
 def index_size(redis_client, deployment_id: int) -> int:
@@ -614,9 +626,19 @@ def main(argv: list[str]) -> int:
                 elapsed = time.monotonic() - t0
                 time.sleep(0.3)
                 after = [e.counters() for e in engines]
+                costs = {}
+                if not policy.startswith("vllm-router"):
+                    costs = wl.router_costs([router_metrics(port) for _, port in replicas_up])
                 for proc, _ in replicas_up:
                     procs.stop(proc)
                 s = summarize(results, before, after, ceil["ceiling"])
+                s["router_added_ms"] = costs.get("added_ms", float("nan"))
+                if costs.get("lookups") or costs.get("fallbacks"):
+                    log(
+                        f"{name:<12} {policy:<24} router added {costs['added_ms']:.2f} ms mean; index lookup "
+                        f"{costs['lookup_ms']:.2f} ms mean over {costs['lookups']}, {costs['fallbacks']} not "
+                        "answered in time"
+                    )
                 s["timed_ceiling"] = wl.timed_ceiling(reqs, results, BLOCK)
                 held_back = sorted(r["held_back"] for r in results if "held_back" in r)
                 s["held_back"] = len(held_back)
@@ -735,6 +757,9 @@ def report(args, argv, rows, meta, policies, loads) -> str:
         "- Own prefill p90: the p90 over requests of the prefill each one needed on the engine it went to (its "
         "uncached prompt tokens at the simulator's per-token time, plus the fixed overhead): its TTFT with no queue "
         "in front of it. TTFT above it is time spent waiting behind other requests' prefills.",
+        "- Router added: the mean time from a request's arrival at our router to its sending to an engine (the "
+        "router's `router_added_latency_seconds`; for precise it includes the index's round trip to Redis); "
+        "vllm-router does not report it.",
         f"- Our router at commit {git_head(Path(args.router_root) if args.router_root else ROOT)}.",
     ]
     for name, m in meta.items():
@@ -757,9 +782,9 @@ def report(args, argv, rows, meta, policies, loads) -> str:
     lines += [
         "",
         "| workload | policy | prefix-hit share (engines) | of ceiling | of fleet LRU | of timed ceiling | "
-        "TTFT p50 / p90 (ms) | own prefill p90 (ms) | req/s | prompt tok/s | requests per engine max/mean | "
-        "errors |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "TTFT p50 / p90 (ms) | own prefill p90 (ms) | router added, mean (ms) | req/s | prompt tok/s | "
+        "requests per engine max/mean | errors |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name in loads:
         for policy in policies:
@@ -767,14 +792,15 @@ def report(args, argv, rows, meta, policies, loads) -> str:
             if s is None:
                 continue
             if "skipped" in s:
-                lines.append(f"| {name} | {policy} | skipped: {s['skipped']} | | | | | | | | | |")
+                lines.append(f"| {name} | {policy} | skipped: {s['skipped']} | | | | | | | | | | |")
                 continue
             lru = meta[name]["lru_fleet"]
             lines.append(
                 f"| {name} | {policy} | {cell(s, 'hit_share', 1, pct=True)} | {s['of_ceiling']:.0%} | "
                 f"{s['hit_share'] / lru:.0%} | {s['hit_share'] / s['timed_ceiling']:.0%} of "
                 f"{s['timed_ceiling']:.1%} | {fmt(s['ttft_p50'], 0)} / {cell(s, 'ttft_p90', 0)} | "
-                f"{fmt(s['own_prefill_p90'], 0)} | {fmt(s['rps'])} | "
+                f"{fmt(s['own_prefill_p90'], 0)} | {fmt(s.get('router_added_ms', float('nan')), 1)} | "
+                f"{fmt(s['rps'])} | "
                 f"{fmt(s['tps'], 0)} | {cell(s, 'max_mean', 2)} | {s['errors']} |"
             )
     lines += [

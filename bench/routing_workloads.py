@@ -309,3 +309,36 @@ def ttft_tail(
         "machine": machine,
         "machine_wait_median": sorted(machine_waits)[len(machine_waits) // 2] if machine_waits else 0.0,
     }
+
+
+def router_costs(metrics_texts: list[str]) -> dict:
+    """From our router replicas' /metrics at the end of a cell: the mean time the router added before a request
+    reached an engine, the precise index's mean round trip, and the lookups Redis did not answer in time."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    sums: dict[str, float] = {}
+    for text in metrics_texts:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in (
+                    "router_added_latency_seconds_sum",
+                    "router_added_latency_seconds_count",
+                    "router_prefix_index_lookup_seconds_sum",
+                    "router_prefix_index_lookup_seconds_count",
+                    "router_prefix_index_fallbacks_total",
+                ):
+                    sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
+    added = sums.get("router_added_latency_seconds_count", 0.0)
+    lookups = sums.get("router_prefix_index_lookup_seconds_count", 0.0)
+    return {
+        "added_ms": 1000 * sums.get("router_added_latency_seconds_sum", 0.0) / added
+        if added
+        else float("nan"),
+        "lookup_ms": (
+            1000 * sums.get("router_prefix_index_lookup_seconds_sum", 0.0) / lookups
+            if lookups
+            else float("nan")
+        ),
+        "lookups": int(lookups),
+        "fallbacks": int(sums.get("router_prefix_index_fallbacks_total", 0.0)),
+    }

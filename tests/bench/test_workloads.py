@@ -102,3 +102,24 @@ def test_agentic_sessions_grow_and_their_sub_agents_share_the_session_context():
         task = mine[0].ids[:6]
         assert all(r.ids[:6] == task for r in mine)  # the session's own task, kept by its sub-agents
         assert all(wl.ID_TOKENS * (len(r.ids) - 1) < r.length <= wl.ID_TOKENS * len(r.ids) for r in mine)
+
+
+def test_router_costs_read_the_routers_own_metrics_summed_over_replicas():
+    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+    texts = []
+    for added, lookups, fallbacks in (([0.002, 0.004], [0.001], 1), ([0.003], [0.003], 0)):
+        registry = CollectorRegistry()
+        a = Histogram("router_added_latency_seconds", "", ["model"], registry=registry)
+        b = Histogram("router_prefix_index_lookup_seconds", "", ["model"], registry=registry)
+        c = Counter("router_prefix_index_fallbacks", "", ["model", "reason"], registry=registry)
+        for value in added:
+            a.labels("m").observe(value)
+        for value in lookups:
+            b.labels("m").observe(value)
+        c.labels("m", "timeout").inc(fallbacks)
+        texts.append(generate_latest(registry).decode())
+    costs = wl.router_costs(texts)
+    assert round(costs["added_ms"], 6) == 3.0 and round(costs["lookup_ms"], 6) == 2.0
+    assert costs["lookups"] == 2 and costs["fallbacks"] == 1
+    assert wl.router_costs([""])["lookups"] == 0  # a replica that did not answer
