@@ -4,20 +4,20 @@ and sessions. Bounded, in memory."""
 from __future__ import annotations
 
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 
 
 class ApproximateIndex:
-    """Per endpoint, the block keys this router sent there, least recently sent evicted first once an endpoint's
-    record reaches its KV capacity in blocks."""
+    """Per endpoint, the block keys this router sent there and when it last did, least recently sent evicted
+    first once an endpoint's record reaches its KV capacity in blocks."""
 
     def __init__(self, capacity_blocks: int):
         self.capacity = capacity_blocks
         self._where: dict[str, set[int]] = {}
-        self._lru: dict[int, OrderedDict[str, None]] = {}
+        self._lru: dict[int, OrderedDict[str, float]] = {}  # endpoint -> block key -> when last sent there
 
-    def lookup(self, keys: list[str]) -> dict[int, int]:
-        """Per endpoint, how many of the leading keys it was sent."""
+    def lookup(self, keys: list[str], since: float | None = None) -> dict[int, int]:
+        """Per endpoint, how many of the leading keys it was sent (at or after `since`, when given)."""
         held: dict[int, int] = {}
         alive: set[int] | None = None
         for index, key in enumerate(keys):
@@ -25,20 +25,23 @@ class ApproximateIndex:
             if not here:
                 break
             alive = set(here) if alive is None else alive & here
+            if since is not None:
+                alive = {endpoint for endpoint in alive if self._lru[endpoint][key] >= since}
             if not alive:
                 break
             for endpoint in alive:
                 held[endpoint] = index + 1
         return held
 
-    def record(self, endpoint: int, keys: list[str]) -> None:
+    def record(self, endpoint: int, keys: list[str], now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
         lru = self._lru.setdefault(endpoint, OrderedDict())
         for key in keys:
             if key in lru:
                 lru.move_to_end(key)
             else:
-                lru[key] = None
                 self._where.setdefault(key, set()).add(endpoint)
+            lru[key] = now
         while len(lru) > self.capacity:
             old, _ = lru.popitem(last=False)
             owners = self._where.get(old)
@@ -54,59 +57,6 @@ class ApproximateIndex:
                 owners.discard(endpoint)
                 if not owners:
                     del self._where[key]
-
-
-class RecentDecisions:
-    """This replica's own decisions of the last `ttl_s` seconds, for precise routing: the prompts' block keys by
-    endpoint. A lookup already on its way to Redis when a decision is made cannot see the speculative entries
-    that decision writes there; merging these in as its answer comes back closes that gap for this replica's
-    own requests (the other replicas see the entries in Redis)."""
-
-    def __init__(self, ttl_s: float):
-        self.ttl_s = ttl_s
-        self._decisions: deque[tuple[float, int, list[str]]] = deque()
-        self._senders: dict[str, dict[int, int]] = {}  # block key -> endpoint -> decisions that sent it there
-
-    def record(self, endpoint: int, keys: list[str], now: float) -> None:
-        self._expire(now)
-        if not keys or self.ttl_s <= 0:
-            return
-        self._decisions.append((now + self.ttl_s, endpoint, keys))
-        for key in keys:
-            senders = self._senders.setdefault(key, {})
-            senders[endpoint] = senders.get(endpoint, 0) + 1
-
-    def leading(self, keys: list[str], now: float) -> dict[int, int]:
-        """Per endpoint, how many of the leading keys a recent decision sent there."""
-        self._expire(now)
-        first = self._senders.get(keys[0]) if keys else None
-        if not first:
-            return {}
-        held: dict[int, int] = {}
-        alive = set(first)
-        for index in range(1, len(keys)):
-            here = self._senders.get(keys[index], {})
-            for endpoint in [e for e in alive if e not in here]:
-                held[endpoint] = index
-                alive.discard(endpoint)
-            if not alive:
-                return held
-        for endpoint in alive:
-            held[endpoint] = len(keys)
-        return held
-
-    def _expire(self, now: float) -> None:
-        decisions = self._decisions
-        while decisions and decisions[0][0] <= now:
-            _, endpoint, keys = decisions.popleft()
-            for key in keys:
-                senders = self._senders[key]
-                if senders[endpoint] > 1:
-                    senders[endpoint] -= 1
-                else:
-                    del senders[endpoint]
-                    if not senders:
-                        del self._senders[key]
 
 
 class SessionMap:

@@ -13,6 +13,7 @@ import hmac
 import logging
 import os
 import time
+from array import array
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import NamedTuple
@@ -321,7 +322,8 @@ class Router:
             body = await _read_body(receive, self.max_body)
             payload = _parse(body)
             deployment = self._deployment(payload)
-            input_bound, output_bound = self._validate(payload, deployment, dialect)
+            prompt_ids = token_ids(payload.get("prompt"))  # a prompt of token ids, converted once
+            input_bound, output_bound = self._validate(payload, deployment, dialect, prompt_ids)
         except HttpError as exc:
             return await _respond(
                 send,
@@ -374,7 +376,9 @@ class Router:
                 JSON_HEADERS + _headers(decision.headers),
             )
 
-        ctx = await self.prefix.context(deployment, payload, scope["path"], _header(scope, b"x-session-id"))
+        ctx = await self.prefix.context(
+            deployment, payload, prompt_ids, scope["path"], _header(scope, b"x-session-id")
+        )
         exchange = Exchange(
             self,
             scope,
@@ -447,7 +451,9 @@ class Router:
             )
         return deployment
 
-    def _validate(self, payload: dict, deployment: DeploymentInfo, dialect: Dialect) -> tuple[int, int]:
+    def _validate(
+        self, payload: dict, deployment: DeploymentInfo, dialect: Dialect, prompt_ids: array | None
+    ) -> tuple[int, int]:
         """Check limits and return upper bounds of the prompt's and the answer's tokens, for reservations."""
         messages = payload.get("messages")
         if messages is not None:
@@ -473,7 +479,7 @@ class Router:
                 )
         elif dialect is ANTHROPIC:
             raise HttpError(400, "`max_tokens` is required.", "max_tokens")
-        prompt_bound = _prompt_token_bound(payload)
+        prompt_bound = len(prompt_ids) if prompt_ids is not None else _prompt_token_bound(payload)
         return min(prompt_bound, limit), (max_tokens or limit)
 
 
@@ -808,11 +814,9 @@ class Exchange:
 
 
 def _prompt_token_bound(payload: dict) -> int:
-    """An upper bound of the prompt's tokens without tokenising: byte-level BPE tokens cover at least one byte
-    each, plus a few template tokens per message."""
+    """An upper bound of the prompt's tokens without tokenising (a prompt not given as token ids): byte-level BPE
+    tokens cover at least one byte each, plus a few template tokens per message."""
     prompt = payload.get("prompt")
-    if token_ids(prompt) is not None:
-        return len(prompt)
     total = 0
     for part in (
         prompt,

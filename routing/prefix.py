@@ -15,12 +15,12 @@ from django.conf import settings
 from redis.exceptions import RedisError
 
 from . import metrics
-from .affinity import ApproximateIndex, RecentDecisions, SessionMap
+from .affinity import ApproximateIndex, SessionMap
 from .blocks import block_keys, chain_seed, hex_keys
 from .pipeline import Candidate, RequestContext
 from .prefix_index import Held, PrefixIndex
 from .state import DeploymentInfo
-from .tokenize import RouterTokenizer, token_ids
+from .tokenize import RouterTokenizer
 
 log = logging.getLogger(__name__)
 decisions = logging.getLogger("routing.decisions")
@@ -33,8 +33,9 @@ class PrefixRouting:
     def __init__(self, redis):
         self.index = PrefixIndex(redis, settings.ROUTER_SPECULATIVE_TTL_SECONDS)
         self.approximate = ApproximateIndex(settings.ROUTER_APPROX_BLOCKS_PER_ENDPOINT)
-        # Long enough for any lookup in flight at a decision to come back; Redis's entry serves after that.
-        self.recent = RecentDecisions(min(RECENT_DECISIONS_S, settings.ROUTER_SPECULATIVE_TTL_SECONDS))
+        # Precise lookups count this replica's decisions of the last moment, which Redis may not show yet: long
+        # enough for any lookup in flight at a decision to come back; Redis's speculative entry serves after that.
+        self.recent_s = min(RECENT_DECISIONS_S, settings.ROUTER_SPECULATIVE_TTL_SECONDS)
         self.sessions = SessionMap()
         self.lookup_timeout = settings.ROUTER_INDEX_LOOKUP_TIMEOUT_SECONDS
         self._warn_after = 0.0
@@ -76,15 +77,21 @@ class PrefixRouting:
         return tokenizer.encode_chat(messages, tools=payload.get("tools"))
 
     async def context(
-        self, deployment: DeploymentInfo, payload: dict, path: str, session_id: str | None
+        self,
+        deployment: DeploymentInfo,
+        payload: dict,
+        prompt_ids: array | None,
+        path: str,
+        session_id: str | None,
     ) -> RequestContext:
+        """`prompt_ids`: the prompt when it came as token ids (tokenize.token_ids), else None."""
         ctx = RequestContext(model=deployment.served_model_name, session_id=session_id)
         if session_id:
             ctx.session_endpoint = self.sessions.get(f"{deployment.id}:{session_id}")
         if deployment.policy.mode not in PREFIX_MODES and not deployment.has_prefill_pool:
             return ctx  # neither prefix scores nor a P/D decision need the prompt's tokens
-        # Token ids need no tokenizer, and converting them costs less than a hop to the tokenizing thread.
-        tokens = token_ids(payload.get("prompt"))
+        # Token ids need no tokenizer (nor a hop to the tokenizing thread).
+        tokens = prompt_ids
         if tokens is None:
             try:
                 loop = asyncio.get_running_loop()
@@ -123,7 +130,7 @@ class PrefixRouting:
             )
             return self._fallback(model, keys, "error")
         metrics.of(metrics.index_lookup, model).observe(time.perf_counter() - asked)
-        return with_recent(held, self.recent.leading(keys, time.monotonic()))
+        return with_recent(held, self.approximate.lookup(keys, since=time.monotonic() - self.recent_s))
 
     def _warn(self, message: str, *args) -> None:
         """At most one warning per 10 s: while Redis is down, every request would say the same."""
@@ -158,8 +165,8 @@ class PrefixRouting:
             if deployment.policy.mode == "precise":
                 held = ctx.held.get(endpoint)
                 predicted_blocks = held.blocks if held else 0
-                self.recent.record(endpoint, ctx.block_keys, time.monotonic())
-                self.approximate.record(endpoint, ctx.block_keys)  # for lookups Redis does not answer in time
+                # Its own record serves lookups in flight now, and those Redis does not answer in time.
+                self.approximate.record(endpoint, ctx.block_keys)
                 # The leading blocks it holds already have an entry, which a speculative one never replaces.
                 if predicted_blocks < ctx.block_count:
                     task = asyncio.get_running_loop().create_task(

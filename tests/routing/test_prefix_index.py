@@ -13,12 +13,13 @@ from django.conf import settings
 
 from inference_platform.ports import free_port
 from routing import metrics
-from routing.affinity import RecentDecisions
+from routing.affinity import ApproximateIndex
 from routing.blocks import block_keys, chain_seed, hex_keys
 from routing.pipeline import Candidate, EndpointLoad
 from routing.prefix import PrefixRouting
 from routing.prefix_index import BISECT_FROM_BLOCKS, Held, PrefixIndex
 from routing.state import DeploymentInfo, EndpointInfo, PolicyInfo
+from routing.tokenize import token_ids
 
 
 def run(coro):
@@ -63,23 +64,33 @@ def test_walk_and_bisection_agree_on_prefix_closed_holdings(blocks):
     assert missing == {}
 
 
-def test_a_decision_writes_speculative_entries_only_for_the_blocks_the_chosen_engine_lacks():
-    endpoints = tuple(EndpointInfo(i, f"e{i}", f"http://127.0.0.1:{9000 + i}", "both", 1) for i in (1, 2))
-    deployment = DeploymentInfo(
-        id=881_001,
+def precise_deployment(deployment_id: int) -> DeploymentInfo:
+    """A precise deployment of model "t" (16-token blocks) on endpoints 1 and 2, which nothing here calls."""
+    return DeploymentInfo(
+        id=deployment_id,
         name="t",
         served_model_name="t",
         max_model_len=32768,
         block_size=16,
         policy=PolicyInfo(mode="precise"),
-        endpoints=endpoints,
+        endpoints=tuple(EndpointInfo(i, f"e{i}", f"http://127.0.0.1:{9000 + i}", "both", 1) for i in (1, 2)),
         created=0,
     )
+
+
+async def ask(routing: PrefixRouting, deployment: DeploymentInfo, tokens: list[int]):
+    """The routing inputs of a completion whose prompt is these token ids, as the router builds them."""
+    return await routing.context(deployment, {"prompt": tokens}, token_ids(tokens), "/v1/completions", None)
+
+
+def test_a_decision_writes_speculative_entries_only_for_the_blocks_the_chosen_engine_lacks():
+    deployment = precise_deployment(881_001)
+    endpoints = deployment.endpoints
     tokens = [random.Random(7).randrange(100, 4000) for _ in range(20 * 16 + 5)]
     keys = hex_keys(block_keys(tokens, 16, chain_seed("t")))
 
     async def decide(routing: PrefixRouting, endpoint: EndpointInfo):
-        ctx = await routing.context(deployment, {"prompt": tokens}, "/v1/completions", None)
+        ctx = await ask(routing, deployment, tokens)
         candidates = [Candidate(e, EndpointLoad()) for e in endpoints]
         predicted = routing.chosen(deployment, ctx, candidates[endpoints.index(endpoint)], candidates)
         await asyncio.gather(*(t for t in asyncio.all_tasks() if t is not asyncio.current_task()))
@@ -119,36 +130,26 @@ def test_a_decision_writes_speculative_entries_only_for_the_blocks_the_chosen_en
     assert after == {1: Held(gpu=12, speculative=8), 2: Held(speculative=20)}
 
 
-def test_recent_decisions_give_each_endpoints_leading_blocks_until_they_lapse():
-    recent = RecentDecisions(ttl_s=1.0)
+def test_the_replicas_record_gives_each_endpoints_leading_blocks_and_those_sent_since_a_moment():
+    record = ApproximateIndex(capacity_blocks=100)
     keys = [f"{i:016x}" for i in range(10)]
-    recent.record(1, keys[:6], now=100.0)
-    recent.record(2, keys[:3], now=100.5)
-    recent.record(1, keys[:2], now=100.6)
-    assert recent.leading(keys, now=100.7) == {1: 6, 2: 3}
-    assert recent.leading(keys[:4], now=100.7) == {1: 4, 2: 3}
-    assert recent.leading(["f" * 16, *keys], now=100.7) == {}  # a different first block: nothing leads
-    # The first decision lapses; endpoint 1's second one (two blocks) still counts.
-    assert recent.leading(keys, now=101.2) == {1: 2, 2: 3}
-    assert recent.leading(keys, now=101.7) == {}
-    assert not recent._senders and not recent._decisions  # nothing kept once every decision lapsed
+    record.record(1, keys[:6], now=100.0)
+    record.record(2, keys[:3], now=100.5)
+    record.record(1, keys[:2], now=100.6)
+    assert record.lookup(keys) == {1: 6, 2: 3}
+    assert record.lookup(["f" * 16, *keys]) == {}  # a different first block: nothing leads
+    # Sent since 100.4: endpoint 1 only its last two blocks (sent again at 100.6), endpoint 2 its three.
+    assert record.lookup(keys, since=100.4) == {1: 2, 2: 3}
+    assert record.lookup(keys, since=100.55) == {1: 2}
+    assert record.lookup(keys, since=100.7) == {}
 
 
 def test_a_lookup_in_flight_at_a_decision_sees_that_decision_when_it_comes_back():
     """Two requests sharing a new prompt, a moment apart: the second one's lookup left for Redis before the
     first was placed, so Redis's answer cannot hold the first's speculative entries; the router's own record
     of its recent decisions fills them in."""
-    endpoints = tuple(EndpointInfo(i, f"e{i}", f"http://127.0.0.1:{9000 + i}", "both", 1) for i in (1, 2))
-    deployment = DeploymentInfo(
-        id=881_002,
-        name="t",
-        served_model_name="t",
-        max_model_len=32768,
-        block_size=16,
-        policy=PolicyInfo(mode="precise"),
-        endpoints=endpoints,
-        created=0,
-    )
+    deployment = precise_deployment(881_002)
+    endpoints = deployment.endpoints
     tokens = [random.Random(8).randrange(100, 4000) for _ in range(10 * 16)]
     keys = hex_keys(block_keys(tokens, 16, chain_seed("t")))
 
@@ -164,11 +165,9 @@ def test_a_lookup_in_flight_at_a_decision_sees_that_decision_when_it_comes_back(
                 await release.wait()  # Redis has answered; the first request is placed meanwhile
                 return found
 
-            first = await routing.context(deployment, {"prompt": tokens}, "/v1/completions", None)
+            first = await ask(routing, deployment, tokens)
             routing.index.lookup = held_back
-            second = asyncio.create_task(
-                routing.context(deployment, {"prompt": tokens}, "/v1/completions", None)
-            )
+            second = asyncio.create_task(ask(routing, deployment, tokens))
             await answered.wait()
             candidates = [Candidate(e, EndpointLoad()) for e in endpoints]
             routing.chosen(deployment, first, candidates[1], candidates)
@@ -192,17 +191,8 @@ def fallback_count(reason: str) -> float:
 @pytest.mark.parametrize("redis_is", ["refusing connections", "not answering"])
 def test_when_redis_fails_or_stalls_a_precise_lookup_routes_on_the_replicas_own_record(redis_is):
     """No mock: a port nobody listens on, or a server that accepts and never answers."""
-    endpoints = tuple(EndpointInfo(i, f"e{i}", f"http://127.0.0.1:{9000 + i}", "both", 1) for i in (1, 2))
-    deployment = DeploymentInfo(
-        id=881_003,
-        name="t",
-        served_model_name="t",
-        max_model_len=32768,
-        block_size=16,
-        policy=PolicyInfo(mode="precise"),
-        endpoints=endpoints,
-        created=0,
-    )
+    deployment = precise_deployment(881_003)
+    endpoints = deployment.endpoints
     tokens = [random.Random(9).randrange(100, 4000) for _ in range(6 * 16)]
     reason = "error" if redis_is == "refusing connections" else "timeout"
 
@@ -217,10 +207,10 @@ def test_when_redis_fails_or_stalls_a_precise_lookup_routes_on_the_replicas_own_
         try:
             routing = PrefixRouting(client)
             candidates = [Candidate(e, EndpointLoad()) for e in endpoints]
-            first = await routing.context(deployment, {"prompt": tokens[:64]}, "/v1/completions", None)
+            first = await ask(routing, deployment, tokens[:64])
             routing.chosen(deployment, first, candidates[1], candidates)
             started = time.perf_counter()
-            second = await routing.context(deployment, {"prompt": tokens}, "/v1/completions", None)
+            second = await ask(routing, deployment, tokens)
             return first.held, second.held, time.perf_counter() - started
         finally:
             await client.aclose()
@@ -230,8 +220,7 @@ def test_when_redis_fails_or_stalls_a_precise_lookup_routes_on_the_replicas_own_
     before = fallback_count(reason)
     first, second, took = run(scenario())
     assert first == {}
-    assert second == {
-        2: Held(speculative=4)
-    }  # the first request's 4 blocks, from where this replica sent them
+    # The first request's 4 blocks, from where this replica sent them.
+    assert second == {2: Held(speculative=4)}
     assert fallback_count(reason) == before + 2
     assert took < 1.0  # not held up until the client's own 5 s socket timeout
