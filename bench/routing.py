@@ -140,7 +140,7 @@ def prepare_database(base_url: str) -> str:
     return ro.with_path(base_url, f"/{BENCH_DB}")
 
 
-def create_objects(env: dict, engines: list[Engine]) -> tuple[str, int]:
+def create_objects(env: dict, engines: list[Engine], team_quota: bool = False) -> tuple[str, int]:
     os.environ.update(env)
     sys.path.insert(0, str(ROOT))
     import django
@@ -149,10 +149,13 @@ def create_objects(env: dict, engines: list[Engine]) -> tuple[str, int]:
     from routing.models import RoutingPolicy
     from serving.models import Endpoint, Health, ModelDeployment, Pool
     from tenants.keys import api_key_create
-    from tenants.models import Scope, Team, Tenant
+    from tenants.models import Quota, Scope, Team, Tenant
 
     tenant = Tenant.objects.create(name="Bench", slug="bench")
     team = Team.objects.create(tenant=tenant, name="Agents", slug="agents")
+    if team_quota:
+        # Limits no run reaches: every request pays the quota check's round trip, none is refused.
+        Quota.objects.create(team=team, requests_per_minute=1_000_000, max_concurrent_requests=100_000)
     deployment = ModelDeployment.objects.create(
         name=MODEL,
         served_model_name=MODEL,
@@ -456,6 +459,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--title", default=None, help="the heading of the written section (default: Full run / Quick run)"
     )
     p.add_argument(
+        "--team-quota",
+        action="store_true",
+        help="give the bench's team a quota (limits no run reaches), so every request of our router goes "
+        "through the quota check in Redis, as a tenant's would",
+    )
+    p.add_argument(
         "--decision-log",
         action="store_true",
         help="log every routing decision of our router and print where prefix blocks were given up",
@@ -540,7 +549,7 @@ def main(argv: list[str]) -> int:
         ro.migrate(env)
         for engine in engines:
             engine.wait()
-        key, deployment_id = create_objects(env, engines)
+        key, deployment_id = create_objects(env, engines, args.team_quota)
         ingester = procs.start(
             "routing-kv-ingester", [PYTHON, "manage.py", "run_kv_ingester"], core=None, env=env
         )
@@ -740,6 +749,7 @@ def report(args, argv, rows, meta, policies, loads) -> str:
         "engines' /metrics scraped into Redis every second. Nothing pinned (2 cores shared by everything).",
         f"- Router: {routers}, DEBUG off, policy defaults (prefix 3, queue 2, prefill backlog 1, kv_utilization 1, "
         f"session 1, load guard 1.3){', overridden: ' + ' '.join(args.set) if args.set else ''}"
+        f"{', the team under a quota (a check in Redis per request)' if args.team_quota else ''}"
         f"{', from ' + args.router_root if args.router_root else ''}, "
         f"`ROUTER_APPROX_BLOCKS_PER_ENDPOINT={kv}`; restarted for every policy; "
         "engine caches reset before every policy. vllm-router 0.1.17 `--policy cache_aware` (defaults) on the same engines.",

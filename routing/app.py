@@ -40,7 +40,7 @@ from .pipeline import (
     RequestContext,
     request_weight,
 )
-from .prefix import PrefixRouting
+from .prefix import PrefixRouting, read_outcome
 from .redis_pool import router_redis
 from .state import DeploymentInfo, EndpointInfo, KeyInfo, Snapshot, load_snapshot
 from .tokenize import token_ids
@@ -347,6 +347,14 @@ class Router:
             if team_quota is not None or key_quota is not None
             else None
         )
+        # Under a quota, the prompt's tokens and the prefix index are worked out while the quota check is in
+        # Redis, not after it: two round trips in parallel instead of one after the other. A refused request's
+        # lookup is discarded (it recorded nothing).
+        context = self.prefix.context(
+            deployment, payload, prompt_ids, scope["path"], _header(scope, b"x-session-id")
+        )
+        if team_quota is not None or key_quota is not None:
+            context = asyncio.ensure_future(context)
         try:
             decision = await self.admission.admit(
                 request_id=request_id,
@@ -359,6 +367,7 @@ class Router:
                 spend_reserve=cost_units(prices, input_bound, 0, output_bound),
             )
         except RedisError:
+            _discard(context)
             log.exception("admission failed")
             metrics.of(metrics.errors, deployment.served_model_name, "admission").inc()
             return await _respond(
@@ -368,6 +377,7 @@ class Router:
                 JSON_HEADERS + [(b"retry-after", b"1")],
             )
         if not decision.admitted:
+            _discard(context)
             metrics.of(metrics.requests, deployment.served_model_name, "", "429").inc()
             return await _respond(
                 send,
@@ -376,9 +386,7 @@ class Router:
                 JSON_HEADERS + _headers(decision.headers),
             )
 
-        ctx = await self.prefix.context(
-            deployment, payload, prompt_ids, scope["path"], _header(scope, b"x-session-id")
-        )
+        ctx = await context
         exchange = Exchange(
             self,
             scope,
@@ -857,6 +865,15 @@ def _parse(body: bytes) -> dict:
     if not isinstance(payload, dict):
         raise HttpError(400, "The request body must be a JSON object.")
     return payload
+
+
+def _discard(work: Awaitable) -> None:
+    """Drop work whose result is no longer wanted: a coroutine never started is closed, a task is left to
+    finish (cancelling a Redis command midway would cost its connection) and its outcome read when it does."""
+    if asyncio.iscoroutine(work):
+        work.close()
+    else:
+        work.add_done_callback(read_outcome)
 
 
 async def _nothing() -> None:

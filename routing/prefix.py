@@ -122,7 +122,8 @@ class PrefixRouting:
         try:
             held = await asyncio.wait_for(asyncio.shield(lookup), self.lookup_timeout)
         except TimeoutError:
-            lookup.add_done_callback(_consume)  # it finishes in the background; its connection stays usable
+            # It finishes in the background; its connection stays usable.
+            lookup.add_done_callback(read_outcome)
             return self._fallback(model, keys, "timeout")
         except RedisError as exc:
             self._warn(
@@ -240,6 +241,6 @@ def _fmt(ctx: RequestContext, candidate: Candidate) -> str:
     return ",".join(parts)
 
 
-def _consume(task: asyncio.Task) -> None:
+def read_outcome(task: asyncio.Future) -> None:
     if not task.cancelled():
         task.exception()  # read, so a late failure is not reported as never retrieved
