@@ -456,7 +456,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="the name of the docs markers to write between (one section per configuration)",
     )
     p.add_argument(
-        "--title", default=None, help="the heading of the written section (default: Full run / Quick run)"
+        "--title",
+        default=None,
+        help="the heading of the written section (default: One router replica / N router replicas / Quick run)",
     )
     p.add_argument(
         "--team-quota",
@@ -722,6 +724,12 @@ def verdict(met: bool, tie: bool = False) -> str:
     return "met" if met else "MISSED (a tie)" if tie else "MISSED"
 
 
+def default_title(args) -> str:
+    if args.quick:
+        return "Quick run"
+    return "One router replica" if args.router_replicas == 1 else f"{args.router_replicas} router replicas"
+
+
 def report(args, argv, rows, meta, policies, loads) -> str:
     when = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     command = (".venv/bin/python bench/routing.py " + shlex.join(argv)).strip()
@@ -739,7 +747,7 @@ def report(args, argv, rows, meta, policies, loads) -> str:
         else ""
     )
     lines = [
-        f"### {args.title or ('Quick run' if args.quick else 'Full run')}",
+        f"### {args.title or default_title(args)}",
         "",
         f"- Date: {when}. Machine: {ro.machine()}. Command: `{command}`.",
         f"{rounds}- Engines: {ENGINES} simulators, KV cache {kv} blocks x {BLOCK} tokens each "
