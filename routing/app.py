@@ -341,10 +341,11 @@ class Router:
 
         snapshot = self.snapshot
         team_quota, key_quota = snapshot.team_quotas.get(key.team_id), snapshot.key_quotas.get(key.id)
+        under_quota = team_quota is not None or key_quota is not None
         # Priced here only under a quota (for spend budgets); the ledger prices every request when it ingests it.
         prices = (
             snapshot.prices_for(deployment.served_model_name, key.tenant_id, datetime.now(UTC))
-            if team_quota is not None or key_quota is not None
+            if under_quota
             else None
         )
         # Under a quota, the prompt's tokens and the prefix index are worked out while the quota check is in
@@ -353,7 +354,7 @@ class Router:
         context = self.prefix.context(
             deployment, payload, prompt_ids, scope["path"], _header(scope, b"x-session-id")
         )
-        if team_quota is not None or key_quota is not None:
+        if under_quota:
             context = asyncio.ensure_future(context)
         try:
             decision = await self.admission.admit(
