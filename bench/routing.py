@@ -377,8 +377,12 @@ def decision_summary(lines: list[str]) -> str:
     requests = prompt_blocks = best_blocks = chosen_blocks = 0
     lost = {"guard": 0, "score": 0}
     moved = {"guard": 0, "score": 0}
+    compared: dict[str, int] = {}
     for line in lines:
         fields = line.split(" chose=", 1)[1].split()
+        if fields[-1].startswith("index_vs_record="):
+            answer = fields.pop().partition("=")[2]
+            compared[answer] = compared.get(answer, 0) + 1
         chosen, blocks, candidates = fields[0], int(fields[1].split("=")[1]), fields[2:]
         held, guarded = {}, set()
         for candidate in candidates:
@@ -403,10 +407,16 @@ def decision_summary(lines: list[str]) -> str:
         return "no decisions logged"
     if not prompt_blocks:
         return f"{requests} requests; this policy does not look at prompt blocks"
+    agreement = ""
+    if compared:
+        agreement = "; the index against this replica's record: " + ", ".join(
+            f"{answer} {count}" for answer, count in sorted(compared.items())
+        )
     return (
         f"{requests} requests, {prompt_blocks} prompt blocks; best holder {best_blocks / prompt_blocks:.3f} of "
         f"them, chosen {chosen_blocks / prompt_blocks:.3f}; given up to the load guard {lost['guard']} blocks "
         f"({moved['guard']} requests), to the other scorers {lost['score']} blocks ({moved['score']} requests)"
+        f"{agreement}"
     )
 
 

@@ -74,6 +74,14 @@ index_fallbacks = Counter(
     ["model", "reason"],
     registry=registry,
 )
+index_vs_record = Counter(
+    "router_prefix_index_vs_record",
+    "Sampled precise decisions (ROUTER_DECISION_LOG_SAMPLE): whether the index (what the engines hold) and this "
+    "replica's own record of what it sent agree on each endpoint's leading blocks of the prompt: same, "
+    "engines_hold_more (other replicas' traffic), engines_hold_less (evicted, restarted), both.",
+    ["model", "answer"],
+    registry=registry,
+)
 tokens = Counter(
     "router_tokens",
     "Tokens by model, endpoint and kind (prompt, cached_prompt, output).",

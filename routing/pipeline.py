@@ -32,6 +32,9 @@ class RequestContext:
     block_keys: list[str] = field(default_factory=list)  # the router's keys of the prompt's full blocks
     block_count: int = 0
     held: dict[int, Held] = field(default_factory=dict)  # precise: leading blocks each endpoint holds
+    from_index: bool = (
+        False  # precise: `held` is the index's answer (not this replica's record, Redis failing)
+    )
     approx_held: dict[int, int] = field(default_factory=dict)  # approximate: leading blocks sent there before
     session_endpoint: int | None = None
 

@@ -107,15 +107,17 @@ class PrefixRouting:
         )
         ctx.block_count = len(ctx.block_keys)
         if deployment.policy.mode == "precise":
-            ctx.held = await self._precise_held(deployment, ctx.block_keys)
+            ctx.held, ctx.from_index = await self._precise_held(deployment, ctx.block_keys)
         elif deployment.policy.mode == "approximate":
             ctx.approx_held = self.approximate.lookup(ctx.block_keys)
         return ctx
 
-    async def _precise_held(self, deployment: DeploymentInfo, keys: list[str]) -> dict[int, Held]:
+    async def _precise_held(
+        self, deployment: DeploymentInfo, keys: list[str]
+    ) -> tuple[dict[int, Held], bool]:
         """What each endpoint holds of the prompt, from the index in Redis; when Redis does not answer within
         `lookup_timeout` (or fails), from this replica's own record of where it sent what, as approximate
-        routing would, rather than holding the request up."""
+        routing would, rather than holding the request up. The flag: whether the index answered."""
         model = deployment.served_model_name
         asked = time.perf_counter()
         lookup = asyncio.ensure_future(self.index.lookup(deployment.id, keys))
@@ -124,14 +126,14 @@ class PrefixRouting:
         except TimeoutError:
             # It finishes in the background; its connection stays usable.
             lookup.add_done_callback(read_outcome)
-            return self._fallback(model, keys, "timeout")
+            return self._fallback(model, keys, "timeout"), False
         except RedisError as exc:
             self._warn(
                 "the prefix index in Redis failed (%s); routing %s on this replica's record", exc, model
             )
-            return self._fallback(model, keys, "error")
+            return self._fallback(model, keys, "error"), False
         metrics.of(metrics.index_lookup, model).observe(time.perf_counter() - asked)
-        return with_recent(held, self.approximate.lookup(keys, since=time.monotonic() - self.recent_s))
+        return with_recent(held, self.approximate.lookup(keys, since=time.monotonic() - self.recent_s)), True
 
     def _warn(self, message: str, *args) -> None:
         """At most one warning per 10 s: while Redis is down, every request would say the same."""
@@ -161,6 +163,13 @@ class PrefixRouting:
         endpoint = chosen.endpoint.id
         if ctx.session_id:
             self.sessions.put(f"{deployment.id}:{ctx.session_id}", endpoint)
+        sampled = bool(self.sample_rate) and random.random() < self.sample_rate
+        compared = ""
+        if sampled and ctx.from_index:
+            # Before this decision enters the record: what the record said when the index was asked.
+            answer = index_vs_record(ctx.held, self.approximate.lookup(ctx.block_keys))
+            metrics.of(metrics.index_vs_record, deployment.served_model_name, answer).inc()
+            compared = f" index_vs_record={answer}"
         predicted_blocks = 0
         if ctx.block_keys:
             if deployment.policy.mode == "precise":
@@ -177,14 +186,15 @@ class PrefixRouting:
             elif deployment.policy.mode == "approximate":
                 predicted_blocks = ctx.approx_held.get(endpoint, 0)
                 self.approximate.record(endpoint, ctx.block_keys)
-        if self.sample_rate and random.random() < self.sample_rate:
+        if sampled:
             decisions.info(
-                "request=%s model=%s chose=%s blocks=%d %s",
+                "request=%s model=%s chose=%s blocks=%d %s%s",
                 request_id,
                 deployment.served_model_name,
                 chosen.endpoint.name,
                 ctx.block_count,
                 " ".join(f"{c.endpoint.name}:{_fmt(ctx, c)}" for c in candidates),
+                compared,
             )
         predicted = min(predicted_blocks * deployment.block_size, max(0, ctx.prompt_tokens_estimate - 1))
         return predicted
@@ -207,6 +217,21 @@ def with_recent(held: dict[int, Held], recent: dict[int, int]) -> dict[int, Held
         if blocks > found.blocks:
             held[endpoint] = Held(found.gpu, found.cpu, found.speculative + blocks - found.blocks)
     return held
+
+
+def index_vs_record(held: dict[int, Held], record: dict[int, int]) -> str:
+    """Whether the index's answer and this replica's record of what it sent agree on how many of the prompt's
+    leading blocks each endpoint holds; where they differ, which way: the engines hold more than this replica
+    sent them (other replicas' requests) or less (blocks evicted, an engine restarted), or both."""
+    more = less = False
+    for endpoint in held.keys() | record.keys():
+        found = held.get(endpoint, NOTHING).blocks
+        sent = record.get(endpoint, 0)
+        more |= found > sent
+        less |= found < sent
+    if more and less:
+        return "both"
+    return "engines_hold_more" if more else "engines_hold_less" if less else "same"
 
 
 def anthropic_as_chat(payload: dict) -> list[dict]:

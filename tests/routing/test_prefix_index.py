@@ -16,7 +16,7 @@ from routing import metrics
 from routing.affinity import ApproximateIndex
 from routing.blocks import block_keys, chain_seed, hex_keys
 from routing.pipeline import Candidate, EndpointLoad
-from routing.prefix import PrefixRouting
+from routing.prefix import PrefixRouting, index_vs_record
 from routing.prefix_index import BISECT_FROM_BLOCKS, Held, PrefixIndex
 from routing.state import DeploymentInfo, EndpointInfo, PolicyInfo
 from routing.tokenize import token_ids
@@ -224,3 +224,53 @@ def test_when_redis_fails_or_stalls_a_precise_lookup_routes_on_the_replicas_own_
     assert second == {2: Held(speculative=4)}
     assert fallback_count(reason) == before + 2
     assert took < 1.0  # not held up until the client's own 5 s socket timeout
+
+
+def test_index_vs_record_says_which_way_the_engines_differ_from_what_the_replica_sent():
+    assert index_vs_record({1: Held(gpu=10)}, {1: 10}) == "same"
+    assert index_vs_record({1: Held(gpu=4, speculative=6)}, {1: 10}) == "same"
+    assert index_vs_record({}, {}) == "same"
+    assert index_vs_record({1: Held(gpu=10), 2: Held(gpu=6)}, {1: 10}) == "engines_hold_more"
+    assert index_vs_record({1: Held(gpu=4)}, {1: 10}) == "engines_hold_less"
+    assert index_vs_record({1: Held(cpu=3)}, {1: 10, 2: 2}) == "engines_hold_less"
+    assert index_vs_record({1: Held(gpu=4), 2: Held(gpu=6)}, {1: 10}) == "both"
+
+
+def compared_count(answer: str) -> float:
+    return metrics.of(metrics.index_vs_record, "t", answer)._value.get()
+
+
+@pytest.mark.parametrize("engines", ["hold what another replica sent", "evicted what this replica sent"])
+def test_a_sampled_decision_compares_the_index_with_the_replicas_record(engines, caplog):
+    deployment = precise_deployment(881_004)
+    endpoints = deployment.endpoints
+    tokens = [random.Random(11).randrange(100, 4000) for _ in range(8 * 16)]
+    keys = hex_keys(block_keys(tokens, 16, chain_seed("t")))
+    answer = "engines_hold_more" if engines == "hold what another replica sent" else "engines_hold_less"
+
+    async def scenario():
+        client = aioredis.Redis.from_url(settings.REDIS_URL)
+        try:
+            routing = PrefixRouting(client)
+            routing.sample_rate = 1.0
+            routing.recent_s = 0.0  # the record's sends below are not this moment's decisions
+            if answer == "engines_hold_more":
+                for key in keys[:6]:  # endpoint 2 holds 6 blocks this replica never sent there
+                    await client.hset(f"px:{deployment.id}:{key}", "2", "g")
+            else:
+                routing.approximate.record(2, keys, now=time.monotonic() - 5)  # sent, since evicted
+            ctx = await ask(routing, deployment, tokens)
+            candidates = [Candidate(e, EndpointLoad()) for e in endpoints]
+            routing.chosen(deployment, ctx, candidates[0], candidates)
+            await asyncio.gather(*(t for t in asyncio.all_tasks() if t is not asyncio.current_task()))
+            return ctx
+        finally:
+            await client.delete(f"pxsp:{deployment.id}", *[f"px:{deployment.id}:{key}" for key in keys])
+            await client.aclose()
+
+    before = compared_count(answer)
+    with caplog.at_level("INFO", logger="routing.decisions"):
+        ctx = run(scenario())
+    assert ctx.from_index
+    assert compared_count(answer) == before + 1
+    assert f"index_vs_record={answer}" in caplog.text
