@@ -40,7 +40,7 @@ from .pipeline import (
     RequestContext,
     request_weight,
 )
-from .prefix import PrefixRouting, read_outcome
+from .prefix import PrefixRouting, needs_prompt, read_outcome
 from .redis_pool import router_redis
 from .state import DeploymentInfo, EndpointInfo, KeyInfo, Snapshot, load_snapshot
 from .tokenize import token_ids
@@ -354,7 +354,7 @@ class Router:
         context = self.prefix.context(
             deployment, payload, prompt_ids, scope["path"], _header(scope, b"x-session-id")
         )
-        if under_quota:
+        if under_quota and needs_prompt(deployment):
             context = asyncio.ensure_future(context)
         try:
             decision = await self.admission.admit(

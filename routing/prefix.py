@@ -88,8 +88,8 @@ class PrefixRouting:
         ctx = RequestContext(model=deployment.served_model_name, session_id=session_id)
         if session_id:
             ctx.session_endpoint = self.sessions.get(f"{deployment.id}:{session_id}")
-        if deployment.policy.mode not in PREFIX_MODES and not deployment.has_prefill_pool:
-            return ctx  # neither prefix scores nor a P/D decision need the prompt's tokens
+        if not needs_prompt(deployment):
+            return ctx
         # Token ids need no tokenizer (nor a hop to the tokenizing thread).
         tokens = prompt_ids
         if tokens is None:
@@ -207,6 +207,11 @@ class PrefixRouting:
         metrics.of(metrics.prefix_prompt_tokens, *labels).inc(prompt)
         metrics.of(metrics.prefix_predicted_tokens, *labels).inc(predicted)
         metrics.of(metrics.prefix_reported_tokens, *labels).inc(cached)
+
+
+def needs_prompt(deployment: DeploymentInfo) -> bool:
+    """Whether routing looks at the prompt's tokens: prefix scores and P/D decisions do, the rest do not."""
+    return deployment.policy.mode in PREFIX_MODES or deployment.has_prefill_pool
 
 
 def with_recent(held: dict[int, Held], recent: dict[int, int]) -> dict[int, Held]:
