@@ -4,7 +4,9 @@
   tokens), with the index holding that prompt's blocks on 8 endpoints to different depths;
 - block keys: the router's chained keys for the same prompt;
 - tokenisation per turn: a 200K-token conversation that grows by a short turn, tokenised with the router's
-  piece cache (the first turn pays for everything, later turns for their new text only).
+  piece cache (the first turn pays for everything, later turns for their new text only);
+- the router's whole per-turn cost for the next turn of a ~200K-token tool-using session, Claude Code-shaped and
+  OpenAI-shaped: parse the body, render it as the engine will, tokenise, block keys, the precise index lookup.
 
     .venv/bin/python bench/hot_path.py     (re-runs itself under the dev stack when REDIS_URL is unset)
 """
@@ -12,6 +14,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import statistics
@@ -115,6 +118,149 @@ def bench_tokenize() -> list[tuple]:
     ]
 
 
+def agent_conversation(path: str, tokenizer, target_tokens: int = 200_000) -> dict:
+    """A tool-using coding session of about `target_tokens`, as Claude Code (`/v1/messages`) or an OpenAI-SDK
+    agent (`/v1/chat/completions`) sends it: a system prompt and 16 tools, then turns of an assistant tool call
+    and its result (a file's contents)."""
+    source = (Path(os.__file__).parent / "typing.py").read_text()
+    files = [source[i : i + 6000] for i in range(0, len(source) - 6000, 6000)]
+    schema = {
+        "type": "object",
+        "properties": {
+            "path": {"type": "string"},
+            "offset": {"type": "integer"},
+            "limit": {"type": "integer"},
+        },
+        "required": ["path"],
+    }
+    names = [f"tool_{i}" for i in range(16)]
+    system = "You are a coding agent. Follow the repository's conventions. " * 60
+    if path == "/v1/messages":
+        payload = {
+            "model": "tiny-qwen",
+            "max_tokens": 317,
+            "stream": True,
+            "system": [{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}],
+            "tools": [{"name": n, "description": f"Tool {n}.", "input_schema": schema} for n in names],
+            "messages": [{"role": "user", "content": "Fix the failing test in typing.py."}],
+        }
+    else:
+        payload = {
+            "model": "tiny-qwen",
+            "max_tokens": 317,
+            "stream": True,
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {"name": n, "description": f"Tool {n}.", "parameters": schema},
+                }
+                for n in names
+            ],
+            "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": "Fix the failing test in typing.py."},
+            ],
+        }
+    turn = 0
+    while len(tokenizer.encode_request(payload, path)) < target_tokens:
+        add_turn(payload, path, turn, files[turn % len(files)])
+        turn += 1
+    return payload
+
+
+def add_turn(payload: dict, path: str, turn: int, text: str) -> None:
+    call_id = f"call_{turn:04d}"
+    arguments = {"path": f"src/module_{turn}.py", "limit": 400}
+    if path == "/v1/messages":
+        payload["messages"] += [
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "text", "text": f"Reading module {turn}."},
+                    {"type": "tool_use", "id": call_id, "name": f"tool_{turn % 16}", "input": arguments},
+                ],
+            },
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call_id, "content": text}]},
+        ]
+    else:
+        payload["messages"] += [
+            {
+                "role": "assistant",
+                "content": f"Reading module {turn}.",
+                "tool_calls": [
+                    {
+                        "id": call_id,
+                        "type": "function",
+                        "function": {"name": f"tool_{turn % 16}", "arguments": json.dumps(arguments)},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": call_id, "content": text},
+        ]
+
+
+async def bench_agent_turn(redis_url: str) -> list[tuple]:
+    """The router's whole per-turn cost for the next turn of a ~200K-token tool-using session: parse the body,
+    render it as the engine will, tokenise, block keys, one precise index lookup."""
+    import orjson
+    import redis.asyncio as aioredis
+
+    from routing.blocks import PromptKeyCache, block_keys, chain_seed, hex_keys
+    from routing.prefix_index import PrefixIndex
+    from routing.tokenize import RouterTokenizer
+
+    client = aioredis.Redis.from_url(redis_url)
+    index = PrefixIndex(client)
+    rows = []
+    for path, name in (
+        ("/v1/messages", "Claude Code /v1/messages"),
+        ("/v1/chat/completions", "OpenAI tool chat"),
+    ):
+        tokenizer = RouterTokenizer(ROOT / "models" / "tiny-qwen")
+        payload = agent_conversation(path, tokenizer)
+        seed = chain_seed("tiny-qwen")
+        keys = hex_keys(block_keys(tokenizer.encode_request(payload, path), BLOCK, seed))
+        async with client.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.hset(f"px:{DEPLOYMENT}:{key}", "1", "g")
+            await pipe.execute()
+        prompt_keys = PromptKeyCache()
+        prompt_keys.hex_keys(tokenizer.encode_request(payload, path), BLOCK, seed)
+        parts: dict[str, list[float]] = {"parse": [], "render": [], "tokenise": [], "keys": [], "lookup": []}
+        totals, size = [], 0
+        for turn in range(40):
+            add_turn(payload, path, 1000 + turn, f"ok, step {turn} passes")
+            body = orjson.dumps(payload)
+            t0 = time.perf_counter()
+            parsed = orjson.loads(body)
+            t1 = time.perf_counter()
+            text = tokenizer.render(tokenizer.chat_inputs(parsed, path))
+            t2 = time.perf_counter()
+            ids = tokenizer.encode_text(text)
+            t3 = time.perf_counter()
+            keys = prompt_keys.hex_keys(ids, BLOCK, seed)
+            t4 = time.perf_counter()
+            await index.lookup(DEPLOYMENT, keys)
+            t5 = time.perf_counter()
+            for part, (a, b) in zip(parts, ((t0, t1), (t1, t2), (t2, t3), (t3, t4), (t4, t5)), strict=True):
+                parts[part].append((b - a) * 1000)
+            totals.append((t5 - t0) * 1000)
+            size = len(ids)
+        async with client.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.delete(f"px:{DEPLOYMENT}:{key}")
+            await pipe.execute()
+        rows.append(
+            row(
+                f"next turn, {name} ({size:,} tokens)",
+                totals,
+                "target: 3 ms; " + ", ".join(f"{k} {statistics.median(v):.2f}" for k, v in parts.items()),
+            )
+        )
+    await client.aclose()
+    return rows
+
+
 def main() -> None:
     redis_url = os.environ.get("REDIS_URL")
     if not redis_url:
@@ -122,7 +268,7 @@ def main() -> None:
             sys.executable,
             [sys.executable, "-m", "inference_platform.devstack", "exec", "--", sys.executable, *sys.argv],
         )
-    rows = asyncio.run(bench_lookup(redis_url)) + bench_tokenize()
+    rows = asyncio.run(bench_lookup(redis_url)) + bench_tokenize() + asyncio.run(bench_agent_turn(redis_url))
     print(f"{'measure':58} {'n':>5} {'median ms':>10} {'p90 ms':>9}  note")
     for name, n, median, p90, note in rows:
         print(f"{name:58} {n:>5} {median:>10.3f} {p90:>9.3f}  {note}")

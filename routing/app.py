@@ -26,7 +26,7 @@ from redis.exceptions import RedisError
 
 from . import metrics
 from .admission import Admission, cost_units
-from .dialects import ANTHROPIC, OPENAI, RESPONSES, Dialect, Usage
+from .dialects import ANTHROPIC, OPENAI, RESPONSES, Dialect, RenderError, Usage, first_media_part
 from .disagg import decode_body, plan_disaggregated, plan_peer_pull, prefill_body, uncached_tokens
 from .finisher import Finisher
 from .load_scraper import LOAD_KEY
@@ -226,6 +226,9 @@ class Router:
                     await self.refresh()
                 else:
                     await self._refresh_loads()
+                await self.prefix.health.flush(
+                    self.redis, {d.id: name for name, d in self.snapshot.deployments.items()}
+                )
             except Exception:
                 log.exception("could not refresh the router's snapshot or loads; keeping the last ones")
 
@@ -244,6 +247,12 @@ class Router:
             return await self.generate(scope, receive, send, dialect)
         if path == "/v1/models" and method == "GET":
             return await self.models(scope, send)
+        if path.startswith("/v1/models/") and method == "GET":
+            return await self.model(scope, send, path.removeprefix("/v1/models/"))
+        if path == "/v1/messages/count_tokens":
+            if method != "POST":
+                return await _respond(send, 405, ANTHROPIC.error_body(405, "Use POST."), JSON_HEADERS)
+            return await self.count_tokens(scope, receive, send)
         if path == "/metrics":
             return await _respond(
                 send,
@@ -275,21 +284,94 @@ class Router:
 
     # --- /v1/models -----------------------------------------------------------------------------------
     async def models(self, scope: dict, send: Send) -> None:
+        """The served models, in OpenAI's list shape, or Anthropic's when the client sends `anthropic-version`."""
+        anthropic = _header(scope, b"anthropic-version") is not None
+        dialect = ANTHROPIC if anthropic else OPENAI
         try:
-            self.authenticate(scope, OPENAI)
+            self.authenticate(scope, dialect)
         except HttpError as exc:
-            return await _respond(send, exc.status, OPENAI.error_body(exc.status, exc.message), JSON_HEADERS)
-        data = [
-            {
-                "id": name,
-                "object": "model",
-                "created": d.created,
-                "owned_by": "inference-platform",
-                "max_model_len": d.max_model_len,
-            }
-            for name, d in sorted(self.snapshot.deployments.items())
-        ]
-        await _respond(send, 200, orjson.dumps({"object": "list", "data": data}), JSON_HEADERS)
+            return await _respond(send, exc.status, dialect.error_body(exc.status, exc.message), JSON_HEADERS)
+        data = [_model_entry(d, anthropic) for _, d in sorted(self.snapshot.deployments.items())]
+        if anthropic:
+            ids = [entry["id"] for entry in data]
+            body = {"data": data, "has_more": False, "first_id": ids[0] if ids else None}
+            body["last_id"] = ids[-1] if ids else None
+        else:
+            body = {"object": "list", "data": data}
+        await _respond(send, 200, orjson.dumps(body), JSON_HEADERS)
+
+    async def model(self, scope: dict, send: Send, name: str) -> None:
+        """One served model, as the OpenAI and Anthropic SDKs' models.retrieve read it."""
+        anthropic = _header(scope, b"anthropic-version") is not None
+        dialect = ANTHROPIC if anthropic else OPENAI
+        try:
+            self.authenticate(scope, dialect)
+        except HttpError as exc:
+            return await _respond(send, exc.status, dialect.error_body(exc.status, exc.message), JSON_HEADERS)
+        deployment = self.snapshot.deployments.get(name)
+        if deployment is None:
+            message = f"The model `{name}` does not exist. GET /v1/models lists the models served."
+            return await _respond(send, 404, dialect.error_body(404, message, "model"), JSON_HEADERS)
+        await _respond(send, 200, orjson.dumps(_model_entry(deployment, anthropic)), JSON_HEADERS)
+
+    async def count_tokens(self, scope: dict, receive: Receive, send: Send) -> None:
+        """Anthropic's /v1/messages/count_tokens, as Claude Code calls it: the prompt's tokens as the engine
+        renders them, counted here with the deployment's tokenizer (or by one of its engines when the router has
+        none). Key authentication as for generation; no quota is taken and nothing is billed."""
+        try:
+            self.authenticate(scope, ANTHROPIC)
+            body = await _read_body(receive, self.max_body)
+            payload = _parse(body)
+            deployment = self._deployment(payload)
+            if not isinstance(payload.get("messages"), list) or not payload["messages"]:
+                raise HttpError(400, "`messages` must be a non-empty list.", "messages")
+            tokenizer = self.prefix.tokenizer_for(deployment)
+            if tokenizer is None:
+                return await self._count_upstream(deployment, body, send)
+            media = first_media_part(payload["messages"])
+            if media is not None and not tokenizer.multimodal:
+                raise HttpError(
+                    400,
+                    f"The model `{deployment.served_model_name}` takes text only: remove the `{media}` part.",
+                    "messages",
+                )
+            try:
+                ids = await self.prefix.encode(tokenizer, payload, "/v1/messages")
+            except RenderError as exc:
+                raise HttpError(
+                    400, f"The request cannot be rendered for this model: {exc}", exc.param
+                ) from exc
+        except HttpError as exc:
+            return await _respond(
+                send, exc.status, ANTHROPIC.error_body(exc.status, exc.message, exc.param), JSON_HEADERS
+            )
+        except ClientGone:
+            return
+        count = len(ids)
+        body = {"input_tokens": count, "context_management": {"original_input_tokens": count}}
+        await _respond(send, 200, orjson.dumps(body), JSON_HEADERS)
+
+    async def _count_upstream(self, deployment: DeploymentInfo, body: bytes, send: Send) -> None:
+        endpoints = [e for e in deployment.endpoints if e.role != "prefill"] or list(deployment.endpoints)
+        if not endpoints:
+            message = (
+                f"No engine of `{deployment.served_model_name}` is ready to count tokens. Retry shortly."
+            )
+            return await _respond(send, 503, ANTHROPIC.error_body(503, message), JSON_HEADERS)
+        endpoint = min(
+            endpoints, key=lambda e: self.loads[e.id].own(time.monotonic()) if e.id in self.loads else 0
+        )
+        try:
+            async with self.upstream.post(
+                f"{endpoint.url}/v1/messages/count_tokens", body, [("content-type", "application/json")]
+            ) as resp:
+                answer = await resp.read()
+                status = resp.status
+        except (UpstreamError, OSError) as exc:
+            log.warning("count_tokens on %s failed: %s", endpoint.name, exc)
+            message = "The engine could not count the tokens. Retry shortly."
+            return await _respond(send, 502, ANTHROPIC.error_body(502, message), JSON_HEADERS)
+        await _respond(send, status, answer, JSON_HEADERS)
 
     # --- authentication ---------------------------------------------------------------------------------
     def authenticate(self, scope: dict, dialect: Dialect) -> KeyInfo:
@@ -472,6 +554,16 @@ class Router:
                 raise HttpError(
                     400, f"Too many messages: {len(messages)}; the limit is {self.max_messages}.", "messages"
                 )
+            media = first_media_part(messages)
+            if media is not None:
+                tokenizer = self.prefix.tokenizer_for(deployment)
+                if tokenizer is not None and not tokenizer.multimodal:
+                    raise HttpError(
+                        400,
+                        f"The model `{deployment.served_model_name}` takes text only, and this request has "
+                        f"a `{media}` part. Send the content as text, or use a model that takes {media} input.",
+                        "messages",
+                    )
         limit = deployment.max_model_len
         max_tokens = payload.get(
             "max_completion_tokens", payload.get("max_tokens", payload.get("max_output_tokens"))
@@ -820,6 +912,20 @@ class Exchange:
             status=self.status,
             created_at=datetime.now(UTC),
         )
+
+
+def _model_entry(deployment: DeploymentInfo, anthropic: bool) -> dict:
+    name = deployment.served_model_name
+    if anthropic:
+        created = datetime.fromtimestamp(deployment.created, UTC).isoformat().replace("+00:00", "Z")
+        return {"type": "model", "id": name, "display_name": name, "created_at": created}
+    return {
+        "id": name,
+        "object": "model",
+        "created": deployment.created,
+        "owned_by": "inference-platform",
+        "max_model_len": deployment.max_model_len,
+    }
 
 
 def _prompt_token_bound(payload: dict) -> int:

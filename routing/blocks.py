@@ -9,6 +9,7 @@ same tokens mean a different KV cache (a LoRA adapter, a cache salt).
 from __future__ import annotations
 
 from array import array
+from collections import OrderedDict
 from collections.abc import Sequence
 from hashlib import blake2b
 
@@ -46,3 +47,64 @@ def block_keys(
 
 def hex_keys(keys: Sequence[bytes]) -> list[str]:
     return [key.hex() for key in keys]
+
+
+class PromptKeyCache:
+    """The block keys of recent prompts, so a prompt that extends one of them (an agent's next turn) keys only
+    its new blocks: the shared leading blocks are found with a few comparisons of raw token bytes (memcmp)
+    instead of hashing each block again. Entries are grouped by the prompt's first block; each group keeps its
+    `per_head` most recent prompts, and the most recently used groups are kept within `max_bytes` of prompts."""
+
+    def __init__(self, max_bytes: int = 128 * 1024 * 1024, per_head: int = 8):
+        self.max_bytes, self.per_head = max_bytes, per_head
+        self._groups: OrderedDict[tuple, list[tuple[bytes, list[str]]]] = OrderedDict()
+        self._bytes = 0
+
+    def hex_keys(self, tokens: array, block_size: int, seed: bytes) -> list[str]:
+        step = block_size * tokens.itemsize
+        count = len(tokens) // block_size
+        if count == 0:
+            return []
+        raw = tokens.tobytes()
+        head = (seed, block_size, raw[:step])
+        group = self._groups.get(head)
+        reuse, known = 0, None
+        if group is not None:
+            self._groups.move_to_end(head)
+            for old_raw, old_keys in reversed(group):
+                shared = _shared_blocks(raw, old_raw, min(len(old_keys), count), step)
+                if shared > reuse:
+                    reuse, known = shared, old_keys
+                    if shared == count:
+                        break
+        keys = known[:reuse] if known else []
+        if reuse < count:
+            parent = bytes.fromhex(keys[-1]) if keys else None
+            rest = block_keys(tokens[reuse * block_size :], block_size, seed, parent=parent)
+            keys = keys + [key.hex() for key in rest]
+        if group is None:
+            group = self._groups[head] = []
+        kept = raw[: count * step]
+        group.append((kept, keys))
+        self._bytes += len(kept)
+        if len(group) > self.per_head:
+            self._bytes -= len(group.pop(0)[0])
+        while self._bytes > self.max_bytes and len(self._groups) > 1:
+            _, dropped = self._groups.popitem(last=False)
+            self._bytes -= sum(len(entry[0]) for entry in dropped)
+        return keys
+
+
+def _shared_blocks(raw: bytes, old: bytes, most: int, step: int) -> int:
+    """How many leading blocks of `raw` equal `old`'s, at most `most`: one comparison when all do (the
+    common case), else a binary search, each step a memcmp without copying."""
+    if raw.startswith(memoryview(old)[: most * step]):
+        return most
+    low, high = 1, most - 1  # the first block is shared (same group); block `most` is not
+    while low < high:
+        middle = (low + high + 1) // 2
+        if raw.startswith(memoryview(old)[: middle * step]):
+            low = middle
+        else:
+            high = middle - 1
+    return low

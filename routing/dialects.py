@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import orjson
@@ -191,3 +192,412 @@ def _data_of(event: bytes) -> dict | None:
 OPENAI = Dialect()
 ANTHROPIC = AnthropicDialect()
 RESPONSES = ResponsesDialect()
+
+
+# --- Chat rendering inputs --------------------------------------------------------------------------------
+# What the engine's chat template sees for a request, worked out as vLLM 0.32 works it out (its Anthropic
+# conversion in entrypoints/anthropic/serving.py, its message parsing in renderers/chat_utils.py and
+# renderers/hf.py). The router renders these to predict the engine's prompt token ids exactly, and the
+# simulator renders the same, so one implementation serves both.
+
+BILLING_HEADER = "x-anthropic-billing-header"  # Claude Code's per-request attribution line; vLLM drops it
+TEXT_ONLY_PARTS = frozenset({"text", "input_text", "output_text", "refusal"})
+
+
+class RenderError(ValueError):
+    """The request cannot be rendered for a text-only model; `reason` is a short label for metrics."""
+
+    def __init__(self, reason: str, message: str, param: str | None = "messages"):
+        super().__init__(message)
+        self.reason, self.param = reason, param
+
+
+@dataclass(frozen=True)
+class TemplateTraits:
+    """What vLLM learns from a chat template before it renders with it."""
+
+    content_format: str = "string"  # "openai" when the template loops over a message's content parts
+    developer_role: bool = False  # whether the template names the developer role itself
+
+
+@dataclass
+class ChatInputs:
+    messages: list[dict]
+    tools: list[dict] | None
+    kwargs: dict  # the template's other variables: add_generation_prompt, enable_thinking, ...
+
+
+def chat_inputs(payload: dict, traits: TemplateTraits = TemplateTraits()) -> ChatInputs:
+    """A chat-completions request body as its chat template sees it."""
+    messages = payload.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RenderError("bad_messages", "`messages` must be a non-empty list.")
+    conversation = [_chat_message(message, traits) for message in messages]
+    if not traits.developer_role and any(m["role"] == "developer" for m in conversation):
+        conversation = _developer_as_system(conversation)
+    tools = payload.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise RenderError("bad_tools", "`tools` must be a list.", "tools")
+        tools = [_tool(tool) for tool in tools]
+    kwargs = {
+        "add_generation_prompt": payload.get("add_generation_prompt", True),
+        "continue_final_message": payload.get("continue_final_message", False),
+    }
+    user_kwargs = payload.get("chat_template_kwargs") or {}
+    if not isinstance(user_kwargs, dict):
+        raise RenderError("bad_kwargs", "`chat_template_kwargs` must be an object.", "chat_template_kwargs")
+    effort = payload.get("reasoning_effort")
+    if effort is not None:
+        kwargs["reasoning_effort"] = effort
+        if "enable_thinking" not in user_kwargs:
+            kwargs["enable_thinking"] = effort != "none"
+    kwargs.update(user_kwargs)
+    if kwargs["continue_final_message"]:
+        kwargs["add_generation_prompt"] = False
+    return ChatInputs(conversation, tools, kwargs)
+
+
+def _text_parts(content, role: str) -> list[str]:
+    """The text of a message's content parts; anything a text-only model cannot take is refused."""
+    if isinstance(content, str):
+        parts = [content]
+    elif content is None:
+        parts = []
+    elif isinstance(content, list):
+        parts = []
+        for part in content:
+            if isinstance(part, str):
+                parts.append(part)
+                continue
+            if not isinstance(part, dict):
+                raise RenderError("bad_content", "A content part must be an object with a `type`.")
+            kind = part.get("type")
+            if kind in TEXT_ONLY_PARTS:
+                text = part.get(kind if kind == "refusal" else "text")
+                if text is not None:
+                    parts.append(text)
+            elif kind in (
+                "image_url",
+                "input_image",
+                "image",
+                "audio_url",
+                "input_audio",
+                "video_url",
+                "file",
+            ):
+                raise RenderError(
+                    "image",
+                    f"This model takes text only: remove the `{kind}` content part "
+                    "(or deploy a multimodal model for it).",
+                )
+            else:
+                raise RenderError("bad_content", f"Unsupported chat content part type: {kind!r}.")
+    else:
+        raise RenderError("bad_content", "Message content must be a string, a list of parts or null.")
+    if role == "system":
+        parts = _without_billing_header(parts)
+    return parts
+
+
+def _without_billing_header(parts: list[str]) -> list[str]:
+    out = []
+    for text in parts:
+        if isinstance(text, str) and text.startswith(BILLING_HEADER):
+            text = text.partition("\n")[2]
+            if not text:
+                continue
+        out.append(text)
+    return out
+
+
+def _chat_message(message, traits: TemplateTraits) -> dict:
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise RenderError("bad_messages", "Each message must be an object with a `role`.")
+    role = message["role"]
+    texts = _text_parts(message.get("content"), role)
+    if traits.content_format == "openai":
+        content = [{"type": "text", "text": text} for text in texts]
+        if role == "tool":
+            content = "\n".join(texts)
+    else:
+        content = "\n".join(texts)
+    result: dict = {"role": role, "content": content}
+    if role == "assistant":
+        calls = message.get("tool_calls")
+        if calls is not None:
+            result["tool_calls"] = _tool_calls(calls)
+            if not result["tool_calls"]:
+                del result["tool_calls"]
+        reasoning = message.get("reasoning")
+        if reasoning is None:  # the older name, which the engine takes too
+            reasoning = message.get("reasoning_content")
+        if reasoning is not None:
+            result["reasoning"] = result["reasoning_content"] = reasoning
+    elif role == "tool" and "tool_call_id" in message:
+        result["tool_call_id"] = message["tool_call_id"]
+    if isinstance(message.get("name"), str):
+        result["name"] = message["name"]
+    if role == "developer":
+        result["tools"] = message.get("tools")
+    return result
+
+
+def _tool_calls(calls) -> list[dict]:
+    """Assistant tool calls with their JSON-string arguments parsed into objects, as templates expect them."""
+    if not isinstance(calls, list):
+        raise RenderError("bad_tool_calls", "`tool_calls` must be a list.")
+    out = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or call.get("type", "function") != "function":
+            raise RenderError("bad_tool_calls", "Each tool call must be an object with a `function`.")
+        arguments = function.get("arguments")
+        if not arguments:
+            parsed = {}
+        elif isinstance(arguments, dict):
+            parsed = arguments
+        else:
+            try:
+                parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
+            except json.JSONDecodeError:
+                parsed = {}  # the engine carries on with an empty object rather than fail every later turn
+            if not isinstance(parsed, dict):
+                parsed = {}
+        out.append({**call, "function": {**function, "arguments": parsed}})
+    return out
+
+
+def _developer_as_system(conversation: list[dict]) -> list[dict]:
+    """For a template that does not know the developer role: developer messages become system ones, and all
+    system messages are merged into one at the start."""
+    converted = []
+    for message in conversation:
+        if message["role"] == "developer":
+            message = {k: v for k, v in message.items() if k != "tools"} | {"role": "system"}
+        converted.append(message)
+    system, rest, merge = [], [], False
+    for i, message in enumerate(converted):
+        if message["role"] != "system":
+            rest.append(message)
+            continue
+        merge |= i > 0 or bool(system)
+        content = message.get("content", "")
+        if isinstance(content, list):
+            content = "\n".join(p["text"] for p in content if isinstance(p, dict) and "text" in p)
+        if content:
+            system.append(content)
+    if not merge:
+        return converted
+    return [{"role": "system", "content": "\n\n".join(system)}, *rest]
+
+
+def _tool(tool) -> dict:
+    """A tool definition as the engine hands it to the template (its request model, dumped)."""
+    function = tool.get("function") if isinstance(tool, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise RenderError("bad_tools", "Each tool must be {type: function, function: {name, ...}}.", "tools")
+    defer = tool.get("defer_loading")
+    dumped = {
+        "name": function["name"],
+        "description": function.get("description"),
+        "parameters": function.get("parameters"),
+    }
+    if function.get("strict") is not None:
+        dumped["strict"] = function["strict"]
+    function_defer = function.get("defer_loading", defer)
+    if function_defer is not None:
+        dumped["defer_loading"] = function_defer
+    out = {"type": "function", "function": dumped}
+    if defer is not None:
+        out["defer_loading"] = defer
+    return out
+
+
+# --- Anthropic Messages as a chat-completions request ---------------------------------------------------
+
+
+def anthropic_chat_request(payload: dict, *, merge_inline_system: bool = False) -> dict:
+    """The chat-completions request an Anthropic Messages request becomes in the engine: system blocks joined,
+    tool_use as assistant tool_calls, tool_result as tool messages, thinking as reasoning, tools as functions."""
+    messages: list[dict] = []
+    system = _anthropic_system(payload.get("system"))
+    inline = payload.get("messages")
+    if not isinstance(inline, list) or not inline:
+        raise RenderError("bad_messages", "`messages` must be a non-empty list.")
+    if merge_inline_system:
+        for message in inline:
+            if isinstance(message, dict) and message.get("role") == "system":
+                text = _anthropic_system(message.get("content"))
+                if text:
+                    system.append("".join(text))
+    if system:
+        messages.append({"role": "system", "content": "".join(system)})
+    for message in inline:
+        messages.extend(_anthropic_message(message, merge_inline_system))
+    request: dict = {"messages": messages}
+    if payload.get("chat_template_kwargs") is not None:
+        request["chat_template_kwargs"] = payload["chat_template_kwargs"]
+    output_config = payload.get("output_config") or {}
+    if isinstance(output_config, dict) and output_config.get("effort") is not None:
+        request["reasoning_effort"] = output_config["effort"]
+    thinking = payload.get("thinking")
+    if isinstance(thinking, dict) and thinking.get("type") == "disabled":
+        request["reasoning_effort"] = "none"
+    choice = payload.get("tool_choice")
+    if isinstance(choice, dict):
+        kind = choice.get("type")
+        request["tool_choice"] = (
+            {"type": "function", "function": {"name": choice.get("name")}}
+            if kind == "tool"
+            else {"auto": "auto", "any": "required", "none": "none"}.get(kind, kind)
+        )
+    tools = payload.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise RenderError("bad_tools", "`tools` must be a list.", "tools")
+        request["tools"] = [_anthropic_tool(tool) for tool in tools]
+        request.setdefault("tool_choice", "auto")
+    return request
+
+
+def _anthropic_system(system) -> list[str]:
+    if not system:
+        return []
+    if isinstance(system, str):
+        return [] if system.startswith(BILLING_HEADER) else [system]
+    if not isinstance(system, list):
+        raise RenderError("bad_system", "`system` must be a string or a list of text blocks.", "system")
+    parts = []
+    for block in system:
+        if not isinstance(block, dict):
+            raise RenderError("bad_system", "`system` blocks must be objects.", "system")
+        text = block.get("text")
+        if block.get("type") == "text" and text and not text.startswith(BILLING_HEADER):
+            parts.append(text)
+    return parts
+
+
+def _anthropic_message(message, merge_inline_system: bool) -> list[dict]:
+    if not isinstance(message, dict) or message.get("role") not in ("user", "assistant", "system"):
+        raise RenderError("bad_messages", "Each message needs a role of user or assistant.")
+    role, content = message["role"], message.get("content")
+    if role == "system":
+        if merge_inline_system:
+            return []
+        text = "".join(_anthropic_system(content))
+        return [{"role": "system", "content": text}] if text else []
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    if not isinstance(content, list):
+        raise RenderError("bad_content", "Message content must be a string or a list of content blocks.")
+    out: list[dict] = []  # tool results come out before the message itself
+    parts: list[dict] = []
+    calls: list[dict] = []
+    reasoning: list[str] = []
+    for block in content:
+        if not isinstance(block, dict):
+            raise RenderError("bad_content", "Each content block must be an object with a `type`.")
+        kind = block.get("type")
+        if kind == "text":
+            if block.get("text"):
+                parts.append({"type": "text", "text": block["text"]})
+        elif kind in ("image", "document"):
+            raise RenderError(
+                "image",
+                f"This model takes text only: remove the `{kind}` block (or deploy a multimodal model).",
+            )
+        elif kind == "thinking":
+            if block.get("thinking") is not None:
+                reasoning.append(block["thinking"])
+        elif kind == "tool_use":
+            calls.append(
+                {
+                    "id": block.get("id") or "",
+                    "type": "function",
+                    "function": {
+                        "name": block.get("name") or "",
+                        "arguments": json.dumps(block.get("input") or {}),
+                    },
+                }
+            )
+        elif kind == "tool_result":
+            if role == "user":
+                out.append(
+                    {
+                        "role": "tool",
+                        "tool_call_id": block.get("tool_use_id") or "",
+                        "content": _tool_result_text(block.get("content")),
+                    }
+                )
+            else:
+                parts.append({"type": "text", "text": f"Tool result: {block.get('content') or ''}"})
+        elif kind not in ("redacted_thinking", "tool_reference", "tool_addition", "tool_removal"):
+            raise RenderError("bad_content", f"Unsupported content block type: {kind!r}.")
+    converted: dict = {"role": role}
+    if reasoning:
+        converted["reasoning"] = "".join(reasoning)
+    if calls:
+        converted["tool_calls"] = calls
+    if parts:
+        converted["content"] = parts[0]["text"] if len(parts) == 1 else parts
+    if role == "user" and "content" not in converted:
+        return out
+    return [*out, converted]
+
+
+def _tool_result_text(content) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for item in content:
+            if not isinstance(item, dict):
+                continue
+            if item.get("type") == "text":
+                texts.append(item.get("text", ""))
+            elif item.get("type") == "image":
+                raise RenderError(
+                    "image", "This model takes text only: remove the image from the tool result."
+                )
+        return "\n".join(texts)
+    return ""
+
+
+def _anthropic_tool(tool) -> dict:
+    if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
+        raise RenderError("bad_tools", "Each tool needs a `name` and an `input_schema`.", "tools")
+    function = {
+        "name": tool["name"],
+        "description": tool.get("description"),
+        "parameters": tool.get("input_schema"),
+    }
+    for key in ("strict", "defer_loading"):
+        if tool.get(key) is not None:
+            function[key] = tool[key]
+    return {"type": "function", "function": function}
+
+
+MEDIA_PARTS = frozenset(
+    {"image_url", "input_image", "image", "audio_url", "input_audio", "video_url", "file", "document"}
+)
+
+
+def first_media_part(messages: list) -> str | None:
+    """The type of the first image, audio, video or document part in a chat or Anthropic conversation (tool
+    results included), or None: a text-only model cannot take them."""
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            continue
+        for part in content:
+            if not isinstance(part, dict):
+                continue
+            kind = part.get("type")
+            if kind in MEDIA_PARTS:
+                return kind
+            if kind == "tool_result" and isinstance(part.get("content"), list):
+                for item in part["content"]:
+                    if isinstance(item, dict) and item.get("type") in MEDIA_PARTS:
+                        return item["type"]
+    return None

@@ -95,6 +95,10 @@ class Source:
     # engine hash -> [router key (bytes), media bits]
     blocks: dict[int, list] = field(default_factory=dict)
     orphans: int = 0  # BlockStored events skipped because their parent was unknown
+    block_size: int | None = None  # the deployment's, which the router keys prompts by; None: not checked
+    # Why this engine's blocks cannot be keyed as the router keys prompts (its block size, its model), or None.
+    mismatch: str | None = None
+    reported_at: float = -1e9
     _seeds: dict[str | None, bytes] = field(default_factory=dict)
 
     @property
@@ -138,6 +142,13 @@ def _stored(writes: Writes, source: Source, event: dict) -> int:
         return 0  # another storage tier, or a second KV-cache group (hybrid models) the router does not key
     if not event.get("token_ids") or not event.get("block_size"):
         # A placeholder (vLLM's offloading connector without self-describing events): nothing to key it by.
+        return 0
+    if source.block_size is not None and event["block_size"] != source.block_size:
+        # Keyed this way, no router key would ever match: precise routing would score zero without a word.
+        source.mismatch = (
+            f"the engine stores blocks of {event['block_size']} tokens, the deployment's block_size is "
+            f"{source.block_size}"
+        )
         return 0
     blocks = source.blocks
     parent = event.get("parent_block_hash")

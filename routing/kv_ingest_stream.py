@@ -27,6 +27,7 @@ from django.db import close_old_connections
 
 from inference_platform.config_version import CONFIG_VERSION_KEY
 from routing.kv_ingest import Source, Writes, apply_events, clear_source, clear_stored, decode_payload
+from routing.prefix_health import BLIND_KEY
 from routing.prefix_index import EXPIRE_SPECULATIVE
 from serving.models import Endpoint, ModelDeployment
 
@@ -130,6 +131,7 @@ class KVIngester:
                     "started_at",
                     "pool__deployment_id",
                     "pool__deployment__served_model_name",
+                    "pool__deployment__block_size",
                 )
             )
             self.deployments = list(ModelDeployment.objects.values_list("id", flat=True))
@@ -137,9 +139,9 @@ class KVIngester:
             log.exception("kv ingester: could not read the endpoints")
             return
         seen = set()
-        for endpoint_id, url, events, pid, started_at, deployment_id, model in rows:
+        for endpoint_id, url, events, pid, started_at, deployment_id, model, block_size in rows:
             seen.add(endpoint_id)
-            fingerprint = (url, events, pid, started_at, deployment_id, model)
+            fingerprint = (url, events, pid, started_at, deployment_id, model, block_size)
             old = self.fingerprints.get(endpoint_id)
             if old == fingerprint:
                 continue
@@ -152,10 +154,10 @@ class KVIngester:
             self.forget(endpoint_id)
 
     def follow(self, endpoint_id: int, fingerprint: tuple) -> None:
-        url, events, _, _, deployment_id, model = fingerprint
+        url, events, _, _, deployment_id, model, block_size = fingerprint
         # What an earlier ingester wrote for it may be stale: start from nothing, then replay what we can.
         clear_stored(self.redis, endpoint_id)
-        self.sources[endpoint_id] = Source(endpoint_id, deployment_id, model, url)
+        self.sources[endpoint_id] = Source(endpoint_id, deployment_id, model, url, block_size=block_size)
         self.fingerprints[endpoint_id] = fingerprint
         self.by_netloc[urlsplit(url).netloc] = endpoint_id
         if events:
@@ -210,10 +212,37 @@ class KVIngester:
                     break
                 source = self._source_for(sock, topic)
                 if source is not None:
+                    self._check_topic(source, topic)
                     self.handle(self.writes, source, int.from_bytes(seq, "big"), payload)
+                    self._report_mismatch(source)
                     applied += 1
         self.writes.flush()
         return applied
+
+    def _check_topic(self, source: Source, topic: bytes) -> None:
+        """The topic `kv@HOST:PORT@MODEL` names the model the engine serves: another model's blocks chain from
+        another seed, so none of them would match the router's keys."""
+        parts = topic.decode(errors="replace").split("@", 2)
+        if len(parts) == 3 and parts[2] and parts[2] != source.model:
+            source.mismatch = (
+                f"the engine publishes events for model {parts[2]!r}, the deployment serves {source.model!r}"
+            )
+
+    def _report_mismatch(self, source: Source) -> None:
+        """Loudly, and where the operator looks: an error in the log once a minute, and a flag in Redis that the
+        deployment's portal page shows, while the engine's blocks cannot be keyed as the router keys prompts."""
+        if source.mismatch is None or time.monotonic() < source.reported_at + 60:
+            return
+        source.reported_at = time.monotonic()
+        log.error(
+            "kv ingester: endpoint %s (%s) cannot be indexed: %s; precise routing is blind to it until this is fixed",
+            source.endpoint_id,
+            source.url,
+            source.mismatch,
+        )
+        key = BLIND_KEY.format(source.deployment_id)
+        self.redis.hset(key, str(source.endpoint_id), source.mismatch)
+        self.redis.expire(key, 300)
 
     def _source_for(self, sock: zmq.Socket, topic: bytes) -> Source | None:
         endpoint_id = self.socket_source.get(sock)

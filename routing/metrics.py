@@ -2,7 +2,7 @@
 
 import functools
 
-from prometheus_client import CollectorRegistry, Counter, GCCollector, Histogram, ProcessCollector
+from prometheus_client import CollectorRegistry, Counter, Gauge, GCCollector, Histogram, ProcessCollector
 
 LATENCY_BUCKETS = (
     0.0005,
@@ -110,6 +110,21 @@ prefix_reported_tokens = Counter(
     "router_prefix_reported_cached_tokens",
     "Prompt tokens the engine reported as cached.",
     ["model", "endpoint"],
+    registry=registry,
+)
+
+render_failures = Counter(
+    "router_prefix_render_failures",
+    "Requests whose prompt the router could not render as the engine does, by reason; they are routed without "
+    "prefix scores.",
+    ["model", "reason"],
+    registry=registry,
+)
+prediction_ratio = Gauge(
+    "router_prefix_prediction_ratio",
+    "Predicted over engine-reported cached prompt tokens across all router replicas over the last "
+    "PREFIX_HEALTH_WINDOW_MINUTES (1.0 when routing sees what the engines hold; well below 1 when it is blind).",
+    ["model"],
     registry=registry,
 )
 

@@ -16,8 +16,10 @@ from redis.exceptions import RedisError
 
 from . import metrics
 from .affinity import ApproximateIndex, SessionMap
-from .blocks import block_keys, chain_seed, hex_keys
+from .blocks import PromptKeyCache, chain_seed
+from .dialects import RenderError
 from .pipeline import Candidate, RequestContext
+from .prefix_health import PrefixHealth
 from .prefix_index import Held, PrefixIndex
 from .state import DeploymentInfo
 from .tokenize import RouterTokenizer
@@ -39,28 +41,39 @@ class PrefixRouting:
         self.sessions = SessionMap()
         self.lookup_timeout = settings.ROUTER_INDEX_LOOKUP_TIMEOUT_SECONDS
         self._warn_after = 0.0
-        self._tokenizers: dict[str, RouterTokenizer | None] = {}
+        self._tokenizers: dict[tuple[str, str], RouterTokenizer | None] = {}
+        self._render_logged: dict[tuple[str, str], float] = {}
+        self.health = PrefixHealth()
+        self.prompt_keys = PromptKeyCache()
         # Tokenising runs off the event loop, one piece of work at a time (the piece cache is not shared).
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self.sample_rate = settings.ROUTER_DECISION_LOG_SAMPLE
 
     def _tokenizer(self, deployment: DeploymentInfo) -> RouterTokenizer | None:
-        folder = deployment.tokenizer_path
-        if folder not in self._tokenizers:
+        key = (deployment.tokenizer_path, deployment.chat_template)
+        if key not in self._tokenizers:
             try:
-                path = Path(folder)
+                path = Path(deployment.tokenizer_path)
                 if not path.is_absolute():
                     path = settings.BASE_DIR / path
-                self._tokenizers[folder] = RouterTokenizer(path)
+                self._tokenizers[key] = RouterTokenizer(path, chat_template=deployment.chat_template or None)
             except Exception as exc:  # a hub id or a broken folder: route without prefix scores
                 log.warning(
                     "no tokenizer for %s at %s (%s); prefix scores are off for it",
                     deployment.name,
-                    folder,
+                    deployment.tokenizer_path,
                     exc,
                 )
-                self._tokenizers[folder] = None
-        return self._tokenizers[folder]
+                self._tokenizers[key] = None
+        return self._tokenizers[key]
+
+    def tokenizer_for(self, deployment: DeploymentInfo) -> RouterTokenizer | None:
+        return self._tokenizer(deployment)
+
+    async def encode(self, tokenizer: RouterTokenizer, payload: dict, path: str) -> array:
+        """A chat or messages request's prompt token ids, worked out on the tokenizing thread."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, tokenizer.encode_request, payload, path)
 
     def _tokens(self, deployment: DeploymentInfo, payload: dict, path: str) -> array | None:
         tokenizer = self._tokenizer(deployment)
@@ -69,12 +82,9 @@ class PrefixRouting:
         prompt = payload.get("prompt")
         if isinstance(prompt, str):
             return tokenizer.encode_prompt(prompt)
-        messages = payload.get("messages")
-        if not isinstance(messages, list):
+        if not isinstance(payload.get("messages"), list):
             return None
-        if path == "/v1/messages":
-            messages = anthropic_as_chat(payload)
-        return tokenizer.encode_chat(messages, tools=payload.get("tools"))
+        return tokenizer.encode_request(payload, path)
 
     async def context(
         self,
@@ -96,14 +106,17 @@ class PrefixRouting:
             try:
                 loop = asyncio.get_running_loop()
                 tokens = await loop.run_in_executor(self._executor, self._tokens, deployment, payload, path)
-            except Exception as exc:  # a template the messages do not fit: the engine will say so
-                log.info("could not tokenise a request for %s: %s", deployment.name, exc)
+            except RenderError as exc:  # routed blind: counted, and the engine will say what is wrong
+                self.render_failed(deployment, exc.reason, str(exc))
+                return ctx
+            except Exception as exc:
+                self.render_failed(deployment, "error", repr(exc))
                 return ctx
         if tokens is None:
             return ctx
         ctx.prompt_tokens_estimate = len(tokens)
-        ctx.block_keys = hex_keys(
-            block_keys(tokens, deployment.block_size, chain_seed(deployment.served_model_name))
+        ctx.block_keys = self.prompt_keys.hex_keys(
+            tokens, deployment.block_size, chain_seed(deployment.served_model_name)
         )
         ctx.block_count = len(ctx.block_keys)
         if deployment.policy.mode == "precise":
@@ -134,6 +147,17 @@ class PrefixRouting:
             return self._fallback(model, keys, "error"), False
         metrics.of(metrics.index_lookup, model).observe(time.perf_counter() - asked)
         return with_recent(held, self.approximate.lookup(keys, since=time.monotonic() - self.recent_s)), True
+
+    def render_failed(self, deployment: DeploymentInfo, reason: str, detail: str) -> None:
+        """A request whose prompt the router could not render is routed without prefix scores: counted per
+        model and reason, kept for the portal, and logged once per reason per minute."""
+        model = deployment.served_model_name
+        metrics.of(metrics.render_failures, model, reason).inc()
+        self.health.render_failed(deployment.id, reason)
+        now = time.monotonic()
+        if now >= self._render_logged.get((model, reason), 0.0):
+            self._render_logged[(model, reason)] = now + 60
+            log.warning("could not render a request for %s (%s), routed it blind: %s", model, reason, detail)
 
     def _warn(self, message: str, *args) -> None:
         """At most one warning per 10 s: while Redis is down, every request would say the same."""
@@ -207,6 +231,7 @@ class PrefixRouting:
         metrics.of(metrics.prefix_prompt_tokens, *labels).inc(prompt)
         metrics.of(metrics.prefix_predicted_tokens, *labels).inc(predicted)
         metrics.of(metrics.prefix_reported_tokens, *labels).inc(cached)
+        self.health.observed(deployment.id, predicted, cached)
 
 
 def needs_prompt(deployment: DeploymentInfo) -> bool:
@@ -237,23 +262,6 @@ def index_vs_record(held: dict[int, Held], record: dict[int, int]) -> str:
     if more and less:
         return "both"
     return "engines_hold_more" if more else "engines_hold_less" if less else "same"
-
-
-def anthropic_as_chat(payload: dict) -> list[dict]:
-    def text(content) -> str:
-        if isinstance(content, str):
-            return content
-        if isinstance(content, list):
-            return "\n".join(b.get("text", "") if isinstance(b, dict) else str(b) for b in content)
-        return ""
-
-    messages = [{"role": "system", "content": text(payload["system"])}] if payload.get("system") else []
-    for message in payload.get("messages") or []:
-        if isinstance(message, dict):
-            messages.append(
-                {"role": message.get("role", "user"), "content": text(message.get("content", ""))}
-            )
-    return messages
 
 
 def _fmt(ctx: RequestContext, candidate: Candidate) -> str:

@@ -62,6 +62,7 @@ class DeploymentInfo:
     endpoints: tuple[EndpointInfo, ...]
     created: int
     tokenizer_path: str = ""
+    chat_template: str = ""  # the deployment's override of the model's own template
 
     @property
     def has_prefill_pool(self) -> bool:
@@ -176,6 +177,7 @@ def load_snapshot(version: str = "") -> Snapshot:
             endpoints=tuple(endpoints.get(deployment.id, ())),
             created=int(deployment.created_at.timestamp()),
             tokenizer_path=deployment.tokenizer or deployment.model_source,
+            chat_template=getattr(deployment, "chat_template", "") or "",
         )
 
     for quota in Quota.objects.all():

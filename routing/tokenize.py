@@ -14,8 +14,11 @@ from collections import OrderedDict
 from pathlib import Path
 
 import jinja2
+import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
+
+from .dialects import ChatInputs, RenderError, TemplateTraits, anthropic_chat_request, chat_inputs
 
 
 def token_ids(prompt) -> array | None:
@@ -55,12 +58,42 @@ class SegmentCache:
             self._size -= len(dropped)
 
 
+def template_traits(template: str | None) -> TemplateTraits:
+    """What vLLM detects in a chat template before rendering: whether it loops over a message's content parts
+    (then text parts reach it as a list, else joined with newlines) and whether it names the developer role."""
+    if not template:
+        return TemplateTraits()
+    developer = '"developer"' in template or "'developer'" in template
+    try:
+        tree = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except jinja2.TemplateSyntaxError:
+        return TemplateTraits(developer_role=developer)
+    loops_over_content = any(_is_content(loop.iter) for loop in tree.find_all(jinja2.nodes.For))
+    return TemplateTraits("openai" if loops_over_content else "string", developer)
+
+
+def _is_content(node) -> bool:
+    """`message['content']`, `message.content` or a variable named content."""
+    if isinstance(node, jinja2.nodes.Name):
+        return node.name == "content"
+    if isinstance(node, jinja2.nodes.Getattr):
+        return node.attr == "content"
+    if isinstance(node, jinja2.nodes.Getitem):
+        return isinstance(node.arg, jinja2.nodes.Const) and node.arg.value == "content"
+    if isinstance(node, jinja2.nodes.Filter):
+        return _is_content(node.node)
+    return False
+
+
 def _raise(message: str):
     raise jinja2.exceptions.TemplateError(message)
 
 
 class RouterTokenizer:
-    def __init__(self, model_dir: str | Path, cache: SegmentCache | None = None):
+    def __init__(
+        self, model_dir: str | Path, cache: SegmentCache | None = None, chat_template: str | None = None
+    ):
+        """`chat_template`: the deployment's override of the model's own template (as the engine is given it)."""
         folder = Path(model_dir)
         self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
         config = json.loads((folder / "tokenizer_config.json").read_text())
@@ -75,33 +108,50 @@ class RouterTokenizer:
         )
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
-        template = config.get("chat_template")
+        template = chat_template or config.get("chat_template")
         if isinstance(template, list):  # named templates: take the default one
             template = next(
                 (t["template"] for t in template if t.get("name") == "default"), template[0]["template"]
             )
+        if template is None and (folder / "chat_template.jinja").exists():
+            template = (folder / "chat_template.jinja").read_text()
+        self.traits = template_traits(template)
+        self.merge_inline_system = _rejects_inline_system(template)
+        self.multimodal = _is_multimodal(folder)
         env = ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
         )
-        env.filters["tojson"] = lambda value, indent=None: json.dumps(
-            value, ensure_ascii=False, indent=indent
-        )
+        env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise
         self.template = env.from_string(template) if template else None
 
-    def render_chat(
-        self, messages: list[dict], *, add_generation_prompt: bool = True, tools: list | None = None, **kwargs
-    ) -> str:
+    def chat_inputs(self, payload: dict, path: str = "/v1/chat/completions") -> ChatInputs:
+        """What the engine's template will see for a request to `path` (chat completions or Anthropic
+        messages); RenderError when it cannot be rendered."""
+        if path == "/v1/messages":
+            payload = anthropic_chat_request(payload, merge_inline_system=self.merge_inline_system)
+        return chat_inputs(payload, self.traits)
+
+    def render(self, inputs: ChatInputs) -> str:
         if self.template is None:
-            raise ValueError("this model has no chat template")
-        return self.template.render(
-            messages=messages,
-            tools=tools,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-            **kwargs,
-        )
+            raise RenderError("no_template", "this model has no chat template")
+        try:
+            return self.template.render(
+                messages=inputs.messages,
+                tools=inputs.tools,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+                **inputs.kwargs,
+            )
+        except jinja2.TemplateError as exc:
+            raise RenderError("template_error", f"the chat template refused the request: {exc}") from exc
+
+    def render_chat(self, messages: list[dict], *, tools: list | None = None, **kwargs) -> str:
+        """A chat-completions request's messages (and tools, and template variables), rendered."""
+        payload = {"messages": messages, "tools": tools, **kwargs}
+        if tools is None:
+            del payload["tools"]
+        return self.render(chat_inputs(payload, self.traits))
 
     def encode_text(self, text: str) -> array:
         """Token ids of `text` with no added special tokens, from cached pieces where it repeats."""
@@ -123,9 +173,45 @@ class RouterTokenizer:
     def encode_chat(self, messages: list[dict], **kwargs) -> array:
         return self.encode_text(self.render_chat(messages, **kwargs))
 
+    def encode_request(self, payload: dict, path: str) -> array:
+        """The prompt token ids the engine will compute for a chat or Anthropic messages request."""
+        return self.encode_text(self.render(self.chat_inputs(payload, path)))
+
     def encode_prompt(self, prompt: str) -> array:
         """A completions prompt, as the engine tokenises it (with the tokenizer's own special tokens)."""
         return array("I", self.tokenizer.encode(prompt, add_special_tokens=True).ids)
+
+
+def _tojson(value, indent=None, separators=None, sort_keys=False) -> str:
+    """The chat templates' tojson, as transformers defines it (not Jinja's HTML-escaping one)."""
+    return json.dumps(value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _rejects_inline_system(template: str | None) -> bool:
+    """Whether the template refuses a system message after the first one (Qwen's templates raise on it); the
+    engine then merges an Anthropic request's inline system messages into the leading one. Probed as vLLM
+    probes it: a plain sandbox, no helpers, a system-user-system-user conversation."""
+    if not template:
+        return True
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    probe = [{"role": role, "content": "t"} for role in ("system", "user", "system", "user")]
+    try:
+        env.from_string(template).render(messages=probe, add_generation_prompt=False)
+    except jinja2.TemplateError:
+        return True
+    return False
+
+
+def _is_multimodal(folder: Path) -> bool:
+    """Whether the model takes images or audio: a vision or audio tower in its config, or a processor."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    towers = ("vision_config", "audio_config", "vision_tower", "mm_projector_type")
+    return any(key in config for key in towers) or (folder / "preprocessor_config.json").exists()
 
 
 def _token_text(value) -> str | None:

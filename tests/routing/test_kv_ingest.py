@@ -392,3 +392,37 @@ def test_a_placeholder_event_without_tokens_is_skipped(r, deployment, sim_engine
         ingester.close()
     assert 12345 not in source.blocks
     assert lookup(r, deployment, first) == {78: (1, 0, 0)}
+
+
+def test_an_engine_whose_blocks_cannot_match_the_routers_keys_is_flagged_loudly(
+    r, deployment, ingester, engines, caplog
+):
+    """An engine storing blocks of another size than the deployment's would leave precise routing scoring zero
+    without a word (llm-d's users keep meeting this): the ingester indexes none of its blocks and says so in the
+    log and in Redis, where the deployment's portal page reads it."""
+    r.delete(f"prefix:blind:{deployment.id}")
+    engine = engines("--block-size", "64")  # the deployment keys prompts by 128-token blocks
+    endpoint = add_endpoint(deployment, engine)
+    running = ingester()
+    running.following(endpoint)
+    tokens = prompt(3, seed=5)
+    complete(engine, tokens)
+    wait_for(
+        lambda: r.hget(f"prefix:blind:{deployment.id}", str(endpoint.id)), message="the endpoint flagged"
+    )
+    reason = r.hget(f"prefix:blind:{deployment.id}", str(endpoint.id)).decode()
+    assert "blocks of 64 tokens" in reason and "block_size is 128" in reason
+    assert endpoint.id not in lookup(r, deployment, tokens) and r.hlen(f"pxe:{endpoint.id}") == 0
+    assert any("cannot be indexed" in record.getMessage() for record in caplog.records)
+
+
+def test_events_published_for_another_model_are_flagged(r, deployment, sim_engine):
+    ingester = KVIngester(r)
+    source = Source(79, deployment.id, MODEL_NAME, sim_engine.url, block_size=BLOCK)
+    ingester._check_topic(source, f"kv@127.0.0.1:1@{MODEL_NAME}".encode())
+    assert source.mismatch is None
+    ingester._check_topic(source, b"kv@127.0.0.1:1@other-model")
+    assert "'other-model'" in source.mismatch
+    ingester._report_mismatch(source)
+    assert b"other-model" in r.hget(f"prefix:blind:{deployment.id}", "79")
+    ingester.close()

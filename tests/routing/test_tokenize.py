@@ -69,3 +69,29 @@ def test_a_prompt_of_token_ids_is_taken_as_it_is_and_anything_else_is_not():
     assert token_ids([5, 0, 2**32 - 1]).tolist() == [5, 0, 2**32 - 1]
     for prompt in ([], [-1, 2], [2**32], [1.5], ["a"], [[1, 2]], "1 2", None):
         assert token_ids(prompt) is None, prompt
+
+
+def test_prompt_key_cache_keys_as_block_keys_do_whatever_the_prompts_share():
+    """Agents' next turns extend earlier prompts; others share only a system prompt, or nothing: the cache's
+    keys are always exactly block_keys'."""
+    import random
+    from array import array
+
+    from routing.blocks import PromptKeyCache
+
+    cache = PromptKeyCache(max_bytes=200_000, per_head=2)
+    rng = random.Random(7)
+    seed = chain_seed(MODEL_NAME)
+    history: list[list[int]] = []
+    for _ in range(400):
+        if history and rng.random() < 0.7:
+            base = rng.choice(history)
+            tokens = base[: rng.randrange(len(base) + 1)] + [
+                rng.randrange(60) for _ in range(rng.randrange(300))
+            ]
+        else:
+            tokens = [5] * 128 + [rng.randrange(60) for _ in range(rng.randrange(2000))]
+        history.append(tokens)
+        ids = array("I", tokens)
+        assert cache.hex_keys(ids, 128, seed) == [k.hex() for k in block_keys(ids, 128, seed)]
+    assert cache._bytes <= 200_000 + 4 * 2300

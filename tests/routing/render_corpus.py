@@ -1,0 +1,427 @@
+"""The request shapes coding agents send, as test data: the router must render each one to exactly the prompt
+token ids the engine computes for it (tests/routing/test_render_parity.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+CHAT = "/v1/chat/completions"
+MESSAGES = "/v1/messages"
+
+SYSTEM = (
+    "You are a coding agent working in a Python repository. Follow its conventions and run its tests. " * 4
+)
+FILE = 'def parse(line: str) -> list[str]:\n    """Split a CSV line."""\n    return line.split(",")\n' * 6
+
+OPENAI_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "read_file",
+            "description": "Read a file of the repository.",
+            "parameters": {
+                "type": "object",
+                "properties": {"path": {"type": "string"}, "limit": {"type": "integer"}},
+                "required": ["path"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "edit_file",
+            "description": "Replace text in a file; each edit is applied in order. Ünïcode stays as it is.",
+            "strict": True,
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "path": {"type": "string"},
+                    "edits": {
+                        "type": "array",
+                        "items": {
+                            "type": "object",
+                            "properties": {
+                                "old": {"type": "string"},
+                                "new": {"type": "string"},
+                                "mode": {"type": "string", "enum": ["first", "all"]},
+                            },
+                            "required": ["old", "new"],
+                            "additionalProperties": False,
+                        },
+                    },
+                    "options": {"$ref": "#/$defs/options"},
+                },
+                "required": ["path", "edits"],
+                "$defs": {"options": {"type": "object", "properties": {"dry_run": {"type": "boolean"}}}},
+            },
+        },
+    },
+    {"type": "function", "function": {"name": "list_dir"}},
+]
+
+ANTHROPIC_TOOLS = [
+    {
+        "name": "Bash",
+        "description": "Run a shell command.",
+        "input_schema": {
+            "type": "object",
+            "properties": {"command": {"type": "string"}, "timeout": {"type": "number"}},
+            "required": ["command"],
+        },
+    },
+    {
+        "name": "Read",
+        "description": "Read a file.",
+        "input_schema": {
+            "type": "object",
+            "properties": {"file_path": {"type": "string"}},
+            "required": ["file_path"],
+        },
+        "cache_control": {"type": "ephemeral"},
+    },
+    {
+        "name": "Edit",
+        "input_schema": {
+            "type": "object",
+            "properties": {
+                "file_path": {"type": "string"},
+                "edits": {"type": "array", "items": {"type": "object", "properties": {"old": {}, "new": {}}}},
+            },
+        },
+    },
+]
+
+
+def call(call_id: str, name: str, arguments: str) -> dict:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+@dataclass(frozen=True)
+class RenderCase:
+    name: str
+    path: str
+    payload: dict
+
+
+OPENAI_CASES = [
+    RenderCase(
+        "string content",
+        CHAT,
+        {
+            "messages": [
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": "Fix the <|im_end|> bug."},
+            ]
+        },
+    ),
+    RenderCase(
+        "lists of text parts",
+        CHAT,
+        {
+            "messages": [
+                {"role": "system", "content": [{"type": "text", "text": SYSTEM}]},
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "Look at"}, {"type": "text", "text": FILE}],
+                },
+            ]
+        },
+    ),
+    RenderCase(
+        "system and developer roles",
+        CHAT,
+        {
+            "messages": [
+                {"role": "system", "content": SYSTEM},
+                {"role": "developer", "content": "Prefer small commits."},
+                {"role": "user", "content": "Go.", "name": "alice"},
+            ]
+        },
+    ),
+    RenderCase(
+        "assistant tool calls with null content and with text, and tool results",
+        CHAT,
+        {
+            "tools": OPENAI_TOOLS,
+            "messages": [
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": "Read src/csv.py"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [call("call_1", "read_file", '{"path": "src/csv.py"}')],
+                },
+                {"role": "tool", "tool_call_id": "call_1", "content": FILE},
+                {
+                    "role": "assistant",
+                    "content": "I will fix the split.",
+                    "tool_calls": [
+                        call(
+                            "call_2",
+                            "edit_file",
+                            '{"path":"src/csv.py","edits":[{"old":"split","new":"rsplit","mode":"all"}]}',
+                        )
+                    ],
+                },
+                {
+                    "role": "tool",
+                    "tool_call_id": "call_2",
+                    "content": [{"type": "text", "text": "ok"}, {"type": "text", "text": "1 edit"}],
+                },
+            ],
+        },
+    ),
+    RenderCase(
+        "parallel tool calls",
+        CHAT,
+        {
+            "tools": OPENAI_TOOLS,
+            "tool_choice": "auto",
+            "parallel_tool_calls": True,
+            "messages": [
+                {"role": "user", "content": "Read both files."},
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [
+                        call("call_a", "read_file", '{"path": "a.py"}'),
+                        call("call_b", "read_file", '{"path": "b.py", "limit": 40}'),
+                        call("call_c", "list_dir", ""),
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "call_a", "content": "A = 1\n"},
+                {"role": "tool", "tool_call_id": "call_b", "content": "B = 2\n"},
+                {"role": "tool", "tool_call_id": "call_c", "content": "a.py\nb.py\n"},
+            ],
+        },
+    ),
+    RenderCase(
+        "tool_choice required",
+        CHAT,
+        {
+            "tools": OPENAI_TOOLS,
+            "tool_choice": "required",
+            "messages": [{"role": "user", "content": "List."}],
+        },
+    ),
+    RenderCase(
+        "tool_choice naming a function",
+        CHAT,
+        {
+            "tools": OPENAI_TOOLS,
+            "tool_choice": {"type": "function", "function": {"name": "list_dir"}},
+            "messages": [{"role": "user", "content": "List."}],
+        },
+    ),
+    RenderCase(
+        "tool_choice none",
+        CHAT,
+        {
+            "tools": OPENAI_TOOLS,
+            "tool_choice": "none",
+            "messages": [{"role": "user", "content": "Just answer."}],
+        },
+    ),
+    RenderCase(
+        "chat_template_kwargs enable_thinking",
+        CHAT,
+        {
+            "chat_template_kwargs": {"enable_thinking": False},
+            "messages": [{"role": "user", "content": "Quick one."}],
+        },
+    ),
+    RenderCase(
+        "reasoning in history",
+        CHAT,
+        {
+            "tools": OPENAI_TOOLS,
+            "messages": [
+                {"role": "user", "content": "Why does it fail?"},
+                {"role": "assistant", "content": "Let me look.", "reasoning": "The split is wrong."},
+                {"role": "user", "content": "And now?"},
+                {"role": "assistant", "content": "Fixed.", "reasoning_content": "Checked the tests."},
+                {"role": "user", "content": "Thanks."},
+            ],
+        },
+    ),
+    RenderCase(
+        "arguments that are not valid JSON",
+        CHAT,
+        {
+            "tools": OPENAI_TOOLS,
+            "messages": [
+                {"role": "user", "content": "Read."},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [call("c1", "read_file", '{"path": "a.py"')],
+                },
+                {"role": "tool", "tool_call_id": "c1", "content": "error: bad arguments"},
+            ],
+        },
+    ),
+    RenderCase(
+        "Claude Code's billing header in a system message",
+        CHAT,
+        {
+            "messages": [
+                {
+                    "role": "system",
+                    "content": "x-anthropic-billing-header: cc_version=2.1; cch=93ab\n" + SYSTEM,
+                },
+                {"role": "user", "content": "Hi."},
+            ]
+        },
+    ),
+]
+
+
+def text(value: str, **extra) -> dict:
+    return {"type": "text", "text": value, **extra}
+
+
+ANTHROPIC_CASES = [
+    RenderCase(
+        "system as a string, text blocks",
+        MESSAGES,
+        {
+            "max_tokens": 16,
+            "system": SYSTEM,
+            "messages": [{"role": "user", "content": [text("Look at this:"), text(FILE)]}],
+        },
+    ),
+    RenderCase(
+        "system as blocks with cache_control, billing header dropped",
+        MESSAGES,
+        {
+            "max_tokens": 16,
+            "system": [
+                text("x-anthropic-billing-header: cc_version=2.1; cch=93ab"),
+                text("You are Claude Code."),
+                text(SYSTEM, cache_control={"type": "ephemeral"}),
+            ],
+            "tools": ANTHROPIC_TOOLS,
+            "messages": [{"role": "user", "content": "Run the tests."}],
+        },
+    ),
+    RenderCase(
+        "tool_use and tool_result with string, list and is_error content",
+        MESSAGES,
+        {
+            "max_tokens": 16,
+            "system": [text(SYSTEM, cache_control={"type": "ephemeral"})],
+            "tools": ANTHROPIC_TOOLS,
+            "metadata": {"user_id": "user_abc_session_1"},
+            "messages": [
+                {"role": "user", "content": "Run the tests, then read the failing file."},
+                {
+                    "role": "assistant",
+                    "content": [
+                        text("Running them."),
+                        {
+                            "type": "tool_use",
+                            "id": "toolu_01",
+                            "name": "Bash",
+                            "input": {"command": "pytest -q"},
+                        },
+                    ],
+                },
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "tool_result",
+                            "tool_use_id": "toolu_01",
+                            "content": "1 failed",
+                            "is_error": True,
+                        }
+                    ],
+                },
+                {
+                    "role": "assistant",
+                    "content": [
+                        {
+                            "type": "tool_use",
+                            "id": "toolu_02",
+                            "name": "Read",
+                            "input": {"file_path": "src/csv.py"},
+                        }
+                    ],
+                },
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "tool_result",
+                            "tool_use_id": "toolu_02",
+                            "content": [text(FILE), text("(end)")],
+                        },
+                        text("Now fix it.", cache_control={"type": "ephemeral"}),
+                    ],
+                },
+            ],
+        },
+    ),
+    RenderCase(
+        "several tool uses in one turn",
+        MESSAGES,
+        {
+            "max_tokens": 16,
+            "tools": ANTHROPIC_TOOLS,
+            "messages": [
+                {"role": "user", "content": "Read both."},
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "tool_use", "id": "toolu_a", "name": "Read", "input": {"file_path": "a.py"}},
+                        {"type": "tool_use", "id": "toolu_b", "name": "Read", "input": {"file_path": "b.py"}},
+                        {"type": "tool_use", "id": "toolu_c", "name": "Edit", "input": {}},
+                    ],
+                },
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "tool_result", "tool_use_id": "toolu_a", "content": "A = 1"},
+                        {"type": "tool_result", "tool_use_id": "toolu_b", "content": [text("B = 2")]},
+                        {"type": "tool_result", "tool_use_id": "toolu_c", "content": []},
+                    ],
+                },
+            ],
+        },
+    ),
+    RenderCase(
+        "thinking blocks",
+        MESSAGES,
+        {
+            "max_tokens": 16,
+            "tools": ANTHROPIC_TOOLS,
+            "messages": [
+                {"role": "user", "content": "Why?"},
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "thinking", "thinking": "The test expects rsplit.", "signature": "sig=="},
+                        text("Because of the split."),
+                        {"type": "tool_use", "id": "toolu_t", "name": "Bash", "input": {"command": "ls"}},
+                    ],
+                },
+                {
+                    "role": "user",
+                    "content": [{"type": "tool_result", "tool_use_id": "toolu_t", "content": "a.py"}],
+                },
+            ],
+        },
+    ),
+    RenderCase(
+        "tool_choice any and a named tool",
+        MESSAGES,
+        {
+            "max_tokens": 16,
+            "tools": ANTHROPIC_TOOLS,
+            "tool_choice": {"type": "tool", "name": "Bash", "disable_parallel_tool_use": True},
+            "messages": [{"role": "user", "content": "ls"}],
+        },
+    ),
+]
+
+CASES = OPENAI_CASES + ANTHROPIC_CASES
