@@ -177,7 +177,7 @@ def load_snapshot(version: str = "") -> Snapshot:
             endpoints=tuple(endpoints.get(deployment.id, ())),
             created=int(deployment.created_at.timestamp()),
             tokenizer_path=deployment.tokenizer or deployment.model_source,
-            chat_template=getattr(deployment, "chat_template", "") or "",
+            chat_template=deployment.chat_template,
         )
 
     for quota in Quota.objects.all():

@@ -63,11 +63,50 @@ class ModelDeploymentAdmin(AuditedAdmin):
         "desired_status",
         "observed_status",
         "pool_summary",
+        "tool_calling_summary",
         "updated_at",
     ]
     list_filter = ["engine_kind", "orchestrator", "desired_status", "observed_status"]
     search_fields = ["name", "served_model_name", "model_source"]
-    readonly_fields = ["observed_status", "status_message", "observed_at", "created_at", "updated_at"]
+    readonly_fields = [
+        "tool_calling_effective",
+        "observed_status",
+        "status_message",
+        "observed_at",
+        "created_at",
+        "updated_at",
+    ]
+    fieldsets = [
+        (
+            None,
+            {
+                "fields": [
+                    ("name", "served_model_name"),
+                    "model_source",
+                    ("revision", "tokenizer"),
+                    ("engine_kind", "engine_image"),
+                    ("orchestrator", "namespace"),
+                    ("max_model_len", "block_size"),
+                    "desired_status",
+                ]
+            },
+        ),
+        (
+            "Tool calling and reasoning",
+            {
+                "fields": [
+                    ("tool_call_parser", "reasoning_parser"),
+                    "tool_calling_effective",
+                    "chat_template",
+                ],
+                "description": 'Leave a parser blank for the model family\'s default, or set "none" to switch it off.',
+            },
+        ),
+        (
+            "Status",
+            {"fields": [("observed_status", "observed_at"), "status_message", ("created_at", "updated_at")]},
+        ),
+    ]
     inlines = [PoolInline]
 
     def get_queryset(self, request):
@@ -76,6 +115,26 @@ class ModelDeploymentAdmin(AuditedAdmin):
     @admin.display(description="Pools")
     def pool_summary(self, obj: ModelDeployment) -> str:
         return ", ".join(f"{p.name} ({p.role}) x{p.replicas}" for p in obj.pools.all()) or "-"
+
+    @admin.display(description="Tool calling")
+    def tool_calling_summary(self, obj: ModelDeployment) -> str:
+        tools = obj.tool_calling()
+        if tools.tool_call_parser is None:
+            return "off"
+        reasoning = f", reasoning {tools.reasoning_parser}" if tools.reasoning_parser else ""
+        return f"{tools.tool_call_parser}{reasoning}"
+
+    @admin.display(description="In effect")
+    def tool_calling_effective(self, obj: ModelDeployment | None) -> str:
+        if obj is None or obj.pk is None:
+            return "Shown once saved: the defaults depend on the model."
+        tools = obj.tool_calling()
+        tool = tools.tool_call_parser or "off"
+        reasoning = tools.reasoning_parser or "none"
+        return (
+            f"Tool-call parser: {tool} ({tools.source}). Reasoning parser: {reasoning} ({tools.reasoning_source}). "
+            f"{tools.note}"
+        )
 
     def audit_snapshot(self, obj) -> dict:
         data = snapshot(obj)

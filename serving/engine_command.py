@@ -147,6 +147,20 @@ def speculative_config(pool: Pool) -> dict | None:
     return config
 
 
+def chat_format_args(deployment: ModelDeployment) -> list[str]:
+    """Tool calling, reasoning and chat template flags: the deployment's own settings, else its family's."""
+    tools = deployment.tool_calling()
+    argv: list[str] = []
+    if tools.tool_call_parser:
+        argv += ["--enable-auto-tool-choice", "--tool-call-parser", tools.tool_call_parser]
+    if tools.reasoning_parser:
+        argv += ["--reasoning-parser", tools.reasoning_parser]
+    if deployment.chat_template:
+        # The template itself: vLLM takes a value with `{`, `}` or a newline in it as the template, not a path.
+        argv += ["--chat-template", deployment.chat_template]
+    return argv
+
+
 def render_engine_command(*, deployment: ModelDeployment, pool: Pool, ports: EnginePorts) -> EngineCommand:
     """The command and environment for one replica of `pool` listening on `ports`."""
     _check_supported(pool)
@@ -182,6 +196,7 @@ def render_engine_command(*, deployment: ModelDeployment, pool: Pool, ports: Eng
         argv += ["--revision", deployment.revision]
     if settings.LOCAL_ENGINE_LOAD_FORMAT:
         argv += ["--load-format", settings.LOCAL_ENGINE_LOAD_FORMAT]
+    argv += chat_format_args(deployment)
     if pool.enable_kv_events:
         events = {
             "enable_kv_cache_events": True,

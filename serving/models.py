@@ -8,6 +8,14 @@ from django.db.models import Q
 
 from tenants.models import slug_validator
 
+from .model_families import (
+    ToolCalling,
+    tool_calling_for,
+    validate_chat_template,
+    validate_reasoning_parser,
+    validate_tool_call_parser,
+)
+
 
 class EngineKind(models.TextChoices):
     VLLM = "vllm", "vLLM"
@@ -57,6 +65,31 @@ class ModelDeployment(models.Model):
     block_size = models.PositiveIntegerField(
         default=128, validators=[MinValueValidator(1), MaxValueValidator(4096)]
     )
+    # Tool calling and reasoning (serving/model_families.py): blank takes the model family's default, "none"
+    # switches it off, anything else is one of vLLM's parser names.
+    tool_call_parser = models.CharField(
+        max_length=64,
+        blank=True,
+        default="",
+        db_default="",
+        validators=[validate_tool_call_parser],
+        help_text='vLLM tool-call parser. Blank: the model family\'s default; "none": no tool calling.',
+    )
+    reasoning_parser = models.CharField(
+        max_length=64,
+        blank=True,
+        default="",
+        db_default="",
+        validators=[validate_reasoning_parser],
+        help_text='vLLM reasoning parser. Blank: the model family\'s default; "none": no reasoning parser.',
+    )
+    chat_template = models.TextField(
+        blank=True,
+        default="",
+        db_default="",
+        validators=[validate_chat_template],
+        help_text="A Jinja chat template that replaces the model's own. Blank: the model's own.",
+    )
     desired_status = models.CharField(
         max_length=8, choices=DesiredStatus.choices, default=DesiredStatus.RUNNING
     )
@@ -85,6 +118,14 @@ class ModelDeployment(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    def tool_calling(self) -> ToolCalling:
+        """The parsers its engines run with: its own settings, else its model family's (read from the model)."""
+        return tool_calling_for(
+            model_source=self.model_source,
+            tool_call_parser=self.tool_call_parser,
+            reasoning_parser=self.reasoning_parser,
+        )
 
 
 class PoolRole(models.TextChoices):

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from django.db import transaction
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from inference_platform.model_validation import ModelCleanMixin
@@ -67,9 +68,23 @@ class EndpointSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
 
+class ToolCallingSerializer(serializers.Serializer):
+    """What the engines run with: the deployment's own parser settings, else its model family's defaults."""
+
+    tool_call_parser = serializers.CharField(allow_null=True, help_text="Null: tool calling is off.")
+    reasoning_parser = serializers.CharField(allow_null=True, help_text="Null: no reasoning parser.")
+    source = serializers.CharField(
+        help_text='Of the tool-call parser: "deployment", "family <name>" or "none".'
+    )
+    reasoning_source = serializers.CharField()
+    family = serializers.CharField(allow_null=True, help_text="The model family matched, if any.")
+    note = serializers.CharField()
+
+
 class ModelDeploymentSerializer(ModelCleanMixin, serializers.ModelSerializer):
     pools = PoolSerializer(many=True, required=False)
     endpoints = serializers.SerializerMethodField()
+    tool_calling = serializers.SerializerMethodField()
 
     class Meta:
         model = ModelDeployment
@@ -86,6 +101,10 @@ class ModelDeploymentSerializer(ModelCleanMixin, serializers.ModelSerializer):
             "namespace",
             "max_model_len",
             "block_size",
+            "tool_call_parser",
+            "reasoning_parser",
+            "chat_template",
+            "tool_calling",
             "desired_status",
             "observed_status",
             "status_message",
@@ -100,6 +119,10 @@ class ModelDeploymentSerializer(ModelCleanMixin, serializers.ModelSerializer):
     def get_endpoints(self, obj) -> list[dict]:
         endpoints = Endpoint.objects.filter(pool__deployment=obj).select_related("pool")
         return EndpointSerializer(endpoints, many=True).data
+
+    @extend_schema_field(ToolCallingSerializer)
+    def get_tool_calling(self, obj) -> dict:
+        return obj.tool_calling().as_dict()
 
     def validate_pools(self, pools):
         names = [pool["name"] for pool in pools]

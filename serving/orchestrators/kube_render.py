@@ -144,6 +144,10 @@ def engine_args(deployment: ModelDeployment, pool: Pool) -> tuple[list[str], dic
         # Kubernetes expands $(POD_IP) from the container's environment (the downward API).
         events["topic"] = f"kv@$(POD_IP):{HTTP_PORT}@{deployment.served_model_name}"
         argv[index] = json.dumps(events, separators=(",", ":"))
+    if "--chat-template" in argv:
+        # Kubernetes expands $(NAME) and $$ in container args: a template's own `$` must reach vLLM as written.
+        index = argv.index("--chat-template") + 1
+        argv[index] = argv[index].replace("$", "$$")
     # Only what an engine in a pod needs; the rest of the local environment is about CPU engines on loopback.
     env = {"PYTHONHASHSEED": command.env["PYTHONHASHSEED"]}
     if "VLLM_NIXL_SIDE_CHANNEL_PORT" in command.env:

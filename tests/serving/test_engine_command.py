@@ -11,7 +11,10 @@ import pytest
 from django.conf import settings
 
 from serving.engine_command import EnginePorts, UnsupportedEngineOption, render_engine_command
+from serving.model_families import FAMILIES
 from serving.models import ModelDeployment, Pool
+
+from .engines import ENGINE_PYTHON
 
 PORTS = EnginePorts(http=8100, kv_events=5557, side_channel=5600)
 
@@ -67,6 +70,10 @@ def test_it_renders_the_vllm_command_line():
         "--enable-prompt-tokens-details",
         "--load-format",
         "dummy",
+        # tiny-qwen is a qwen2 model: its family's tool-call parser, and no reasoning parser.
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
         "--kv-events-config",
         json.dumps(events, separators=(",", ":")),
     ]
@@ -222,11 +229,103 @@ def test_it_refuses_what_it_cannot_render(fields, message):
         render_engine_command(deployment=deployment(), pool=pool(**fields), ports=PORTS)
 
 
+@pytest.mark.parametrize(
+    "fields, tool, reasoning",
+    [
+        ({}, "hermes", None),  # the family default of models/tiny-qwen (qwen2)
+        ({"model_source": "Qwen/Qwen3-32B"}, "hermes", "qwen3"),
+        ({"model_source": "deepseek-ai/DeepSeek-R1-0528"}, "deepseek_v3", "deepseek_r1"),
+        ({"model_source": "openai/gpt-oss-20b"}, "openai", "openai_gptoss"),
+        ({"tool_call_parser": "pythonic", "reasoning_parser": "deepseek_r1"}, "pythonic", "deepseek_r1"),
+        ({"model_source": "Qwen/Qwen3-32B", "tool_call_parser": "none"}, None, "qwen3"),
+        ({"model_source": "Qwen/Qwen3-32B", "reasoning_parser": "none"}, "hermes", None),
+        ({"model_source": "org/unknown-model"}, None, None),  # no family: tool calling off
+        ({"model_source": "org/unknown-model", "tool_call_parser": "hermes"}, "hermes", None),
+    ],
+)
+def test_it_renders_the_tool_call_and_reasoning_parsers(fields, tool, reasoning):
+    argv = render_engine_command(deployment=deployment(**fields), pool=pool(), ports=PORTS).argv
+    if tool is None:
+        assert "--enable-auto-tool-choice" not in argv and "--tool-call-parser" not in argv
+    else:
+        assert argv.count("--enable-auto-tool-choice") == 1 and flag(argv, "--tool-call-parser") == tool
+    if reasoning is None:
+        assert "--reasoning-parser" not in argv
+    else:
+        assert flag(argv, "--reasoning-parser") == reasoning
+    assert "--chat-template" not in argv
+
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}\n"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def test_it_passes_the_chat_template_itself_as_one_argument():
+    argv = render_engine_command(
+        deployment=deployment(chat_template=CHAT_TEMPLATE), pool=pool(), ports=PORTS
+    ).argv
+    assert flag(argv, "--chat-template") == CHAT_TEMPLATE
+    assert argv.count("--chat-template") == 1
+
+
 def test_the_config_hash_follows_the_command():
     one = render_engine_command(deployment=deployment(), pool=pool(), ports=PORTS)
     same = render_engine_command(deployment=deployment(), pool=pool(), ports=PORTS)
     other = render_engine_command(deployment=deployment(), pool=pool(max_num_seqs=8), ports=PORTS)
     assert one.config_hash == same.config_hash != other.config_hash
+    # A new parser restarts the engines: they read it at start-up only.
+    parser = render_engine_command(deployment=deployment(tool_call_parser="none"), pool=pool(), ports=PORTS)
+    assert parser.config_hash != one.config_hash
+
+
+VLLM_PARSE = """
+import json, sys
+from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+from vllm.reasoning import ReasoningParserManager
+from vllm.tool_parsers import ToolParserManager
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+seen = []
+for argv in json.load(sys.stdin):
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
+    validate_parsed_serve_args(args)
+    if args.tool_call_parser:
+        ToolParserManager.get_tool_parser(args.tool_call_parser)
+    if args.reasoning_parser:
+        ReasoningParserManager.get_reasoning_parser(args.reasoning_parser)
+    seen.append([args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser or None, args.chat_template])
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.skipif(not ENGINE_PYTHON.exists(), reason="no engine environment (make test builds it)")
+def test_vllms_own_argument_parser_takes_every_familys_flags():
+    """vLLM parses and checks the command as its server does, and loads each family's parser classes."""
+    cases = [
+        deployment(
+            tool_call_parser=family.tool_call_parser or "none",
+            reasoning_parser=family.reasoning_parser or "none",
+        )
+        for family in FAMILIES
+    ]
+    cases += [deployment(), deployment(model_source="org/unknown-model", chat_template=CHAT_TEMPLATE)]
+    argvs = [render_engine_command(deployment=case, pool=pool(), ports=PORTS).argv[3:] for case in cases]
+    run = subprocess.run(
+        [str(ENGINE_PYTHON), "-c", VLLM_PARSE],
+        input=json.dumps(argvs),
+        cwd=settings.BASE_DIR,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    seen = json.loads(run.stdout.strip().splitlines()[-1])
+    expected = [[bool(f.tool_call_parser), f.tool_call_parser, f.reasoning_parser, None] for f in FAMILIES]
+    expected += [[True, "hermes", None, None], [False, None, None, CHAT_TEMPLATE]]
+    assert seen == expected
 
 
 PARSE_AND_SIZE = (
@@ -249,7 +348,13 @@ PARSE_AND_SIZE = (
 def test_the_simulator_accepts_every_flag_rendered(fields, cpu_blocks):
     """The full command parses in the simulator's own argument parser, which sizes its CPU tier from it."""
     command = render_engine_command(
-        deployment=deployment(engine_kind="sim", revision="r1", tokenizer="models/tiny-qwen"),
+        deployment=deployment(
+            engine_kind="sim",
+            revision="r1",
+            tokenizer="models/tiny-qwen",
+            reasoning_parser="qwen3",
+            chat_template=CHAT_TEMPLATE,
+        ),
         pool=pool(extra_engine_args=["--enforce-eager"], **fields),
         ports=PORTS,
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -292,6 +293,64 @@ def test_cpu_offload_and_speculative_decoding_reach_the_engine_arguments():
 
 
 @pytest.mark.parametrize(
+    "case, tool, reasoning",
+    [
+        ("aggregated", "hermes", "qwen3"),
+        ("prefill-decode", "llama3_json", None),
+        ("wide-ep", "deepseek_v3", "deepseek_r1"),
+        ("speculative", "qwen3_coder", None),
+    ],
+)
+def test_every_pod_gets_its_model_familys_parsers(case, tool, reasoning):
+    objects = render_all(case)
+    workloads = by_kind(objects, "Deployment") + by_kind(objects, "LeaderWorkerSet")
+    for workload in workloads:
+        template = "template" if workload["kind"] == "Deployment" else "leaderTemplate"
+        args = container(workload, template)["args"]
+        assert "--enable-auto-tool-choice" in args and args[args.index("--tool-call-parser") + 1] == tool
+        assert reasoning is None or args[args.index("--reasoning-parser") + 1] == reasoning
+        assert reasoning is not None or "--reasoning-parser" not in args
+    assert workloads
+
+
+TEMPLATE = (
+    "{%- for message in messages %}\n"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}\n"
+    "{%- endfor %}"
+)
+
+
+def test_the_deployments_own_settings_and_chat_template_reach_leader_and_workers():
+    """A parser switched off, one set explicitly, and a multi-line template with quotes: one argument in the
+    leader's args, and one word again once the worker's shell line is split."""
+    deployment = _deployment(
+        71006,
+        "custom",
+        model_source="Qwen/Qwen3-8B",
+        tool_call_parser="none",
+        reasoning_parser="deepseek_r1",
+        chat_template=TEMPLATE,
+    )
+    Pool.objects.create(
+        deployment=deployment,
+        name="main",
+        data_parallel_size=4,
+        nodes_per_replica=2,
+        gpus_per_replica=4,
+        kv_connector=KvConnector.NIXL,
+    )
+    objects = [render.render_root(deployment), *render.render_children(deployment, None)]
+    validate_objects(objects)
+    lws = by_kind(objects, "LeaderWorkerSet")[0]
+    leader = container(lws, "leaderTemplate")["args"]
+    worker = shlex.split(container(lws, "workerTemplate")["args"][0])
+    for args in (leader, worker):
+        assert "--tool-call-parser" not in args and "--enable-auto-tool-choice" not in args
+        assert args[args.index("--reasoning-parser") + 1] == "deepseek_r1"
+        assert args[args.index("--chat-template") + 1] == TEMPLATE
+
+
+@pytest.mark.parametrize(
     "fields, reason",
     [
         ({"tensor_parallel_size": 2, "gpus_per_replica": 1}, "gpus_per_replica is 1"),
@@ -307,3 +366,13 @@ def test_it_refuses_pools_it_cannot_run(fields, reason):
     Pool.objects.create(deployment=deployment, name="main", **fields)
     with pytest.raises(UnsupportedEngineOption, match=reason):
         render.render_children(deployment, None)
+
+
+def test_a_dollar_in_the_chat_template_survives_kubernetes_expansion():
+    """Kubernetes turns `$$` into `$` and expands `$(NAME)` in container args: the template's `$` is doubled."""
+    template = "{{ '$(HOME) costs $5' }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    deployment = _deployment(71007, "dollar", model_source="Qwen/Qwen3-8B", chat_template=template)
+    Pool.objects.create(deployment=deployment, name="main")
+    objects = [render.render_root(deployment), *render.render_children(deployment, None)]
+    args = container(by_kind(objects, "Deployment")[0])["args"]
+    assert args[args.index("--chat-template") + 1] == template.replace("$", "$$")

@@ -112,6 +112,12 @@ class Command(BaseCommand):
         self.stdout.write(
             f"Deployment: {deployment.name}, {deployment.engine_kind} engines, served as {DEMO_MODEL}"
         )
+        # Tool calling is on by default: the tiny model is a qwen2, whose family default is the hermes parser.
+        tools = deployment.tool_calling()
+        self.stdout.write(
+            f"Tool calls: {tools.tool_call_parser or 'off'} ({tools.source})"
+            + ("" if tools.tool_call_parser else f": {tools.note}")
+        )
 
         if not ApiKey.objects.filter(team=team, name="demo agent").exists():
             issued = api_key_create(
