@@ -103,11 +103,27 @@ def deployment_new(request):
 @operator_only
 def deployment_detail(request, pk: int):
     deployment = get_object_or_404(_deployments(), pk=pk)
-    return render(
-        request,
-        "portal/deployment.html",
-        {"deployment": deployment, "progress": _progress(deployment), "scale_form": ScaleForm()},
-    )
+    context = {
+        "deployment": deployment,
+        "progress": _progress(deployment),
+        "scale_form": ScaleForm(),
+        "prefix_health": _prefix_health(deployment),
+    }
+    return render(request, "portal/deployment.html", context)
+
+
+def _prefix_health(deployment):
+    """Whether prefix routing sees what the engines hold (the routers' per-minute counters in Redis), or None
+    when Redis cannot be read."""
+    import redis
+    from django.conf import settings
+
+    from routing.prefix_health import prefix_health_for
+
+    try:
+        return prefix_health_for(redis.Redis.from_url(settings.REDIS_URL), deployment.pk)
+    except redis.RedisError:
+        return None
 
 
 @operator_only

@@ -190,3 +190,32 @@ def test_cost_to_serve_shows_every_input(world, browser):
     html = page.content.decode()
     for text in ("nvidia-h100-80gb", "2.500000", "OpenAI GPT-4.1", "Anthropic Claude Sonnet 4"):
         assert text in html
+
+
+def test_the_deployment_page_flags_blind_prefix_routing(world, browser):
+    """The routers' counters say what prefix routing saw: predicted against reported cached tokens, requests it
+    could not render, and endpoints the ingester cannot index, read from Redis as the routers wrote them."""
+    import redis
+    from django.conf import settings
+
+    from routing.prefix_health import BLIND_KEY, KEY
+
+    deployment = ModelDeployment.objects.get(served_model_name="tiny-qwen")
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    minute = int(timezone.now().timestamp() // 60)
+    for key in client.scan_iter(match=f"prefix:health:{deployment.pk}:*"):
+        client.delete(key)
+    page = browser(world.operator).get(f"/portal/deployments/{deployment.pk}/").content.decode()
+    assert "Routing is partly blind" not in page and 'id="render-failures">none' in page
+    client.hset(
+        KEY.format(deployment.pk, minute), mapping={"predicted": 7040, "reported": 18560, "render:image": 3}
+    )
+    client.hset(BLIND_KEY.format(deployment.pk), "12", "the engine stores blocks of 16 tokens")
+    try:
+        page = browser(world.operator).get(f"/portal/deployments/{deployment.pk}/").content.decode()
+    finally:
+        client.delete(KEY.format(deployment.pk, minute), BLIND_KEY.format(deployment.pk))
+    assert "7040 / 18560 (0.38)" in page and "Routing is partly blind" in page
+    assert (
+        "image: 3" in page and "Endpoint 12 cannot be indexed: the engine stores blocks of 16 tokens" in page
+    )
