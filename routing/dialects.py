@@ -515,10 +515,9 @@ def _anthropic_message(message, merge_inline_system: bool) -> list[dict]:
                 {
                     "id": block.get("id") or "",
                     "type": "function",
-                    "function": {
-                        "name": block.get("name") or "",
-                        "arguments": json.dumps(block.get("input") or {}),
-                    },
+                    # The engine sends the input through json.dumps and back (json.loads) before rendering: a
+                    # round trip that gives back an equal object for anything JSON parsed, so it is skipped.
+                    "function": {"name": block.get("name") or "", "arguments": block.get("input") or {}},
                 }
             )
         elif kind == "tool_result":

@@ -85,6 +85,11 @@ def _is_content(node) -> bool:
     return False
 
 
+RECENT_HEAD = 256  # recent texts are grouped by their first characters
+RECENT_PER_HEAD = 4
+RECENT_MAX_CHARS = 16_000_000  # about 16 MB of text and 16 MB of ids at 4 characters a token
+
+
 def _raise(message: str):
     raise jinja2.exceptions.TemplateError(message)
 
@@ -98,6 +103,8 @@ class RouterTokenizer:
         self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
         config = json.loads((folder / "tokenizer_config.json").read_text())
         self.cache = cache or SegmentCache()
+        self._recent: OrderedDict[str, list[tuple[str, array, list]]] = OrderedDict()
+        self._recent_chars = 0
         self.special = {
             token.content: token_id
             for token_id, token in self.tokenizer.get_added_tokens_decoder().items()
@@ -154,14 +161,67 @@ class RouterTokenizer:
         return self.render(chat_inputs(payload, self.traits))
 
     def encode_text(self, text: str) -> array:
-        """Token ids of `text` with no added special tokens, from cached pieces where it repeats."""
-        ids = array("I")
-        for piece in self._split.split(text) if self.special else [text]:
+        """Token ids of `text` with no added special tokens. The part a recent text shared up to one of its
+        special tokens is taken from that text's ids (an agent's next turn re-sends the whole conversation);
+        the rest comes from cached pieces where it repeats."""
+        if not self.special:
+            return self._encode_pieces(text, 0, array("I"), [])
+        head = text[:RECENT_HEAD]
+        start, ids, marks = self._recent_prefix(head, text)
+        ids = self._encode_pieces(text, start, ids, marks)
+        group = self._recent.setdefault(head, [])
+        group.append((text, ids, marks))
+        self._recent_chars += len(text)
+        if len(group) > RECENT_PER_HEAD:
+            self._recent_chars -= len(group.pop(0)[0])
+        self._recent.move_to_end(head)
+        while self._recent_chars > RECENT_MAX_CHARS and len(self._recent) > 1:
+            _, dropped = self._recent.popitem(last=False)
+            self._recent_chars -= sum(len(entry[0]) for entry in dropped)
+        return ids
+
+    def _recent_prefix(self, head: str, text: str) -> tuple[int, array, list]:
+        """The longest run of `text`, ending just after a special token, that a recent text had too: where it
+        ends, its ids and its marks (character end of each special token, ids so far). The pieces before such
+        a point tokenise alike whatever follows it, since a special token always ends a piece."""
+        best = (0, array("I"), [])
+        for old_text, old_ids, old_marks in reversed(self._recent.get(head, ())):
+            if not old_marks or old_marks[-1][0] <= best[0]:
+                continue
+            # Most often everything but the old text's generation prompt is shared: try its last marks first.
+            found, quick = None, False
+            for index in range(len(old_marks) - 1, max(len(old_marks) - 4, -1), -1):
+                if old_marks[index][0] <= best[0]:
+                    break
+                if text.startswith(old_text[: old_marks[index][0]]):
+                    found, quick = index, True
+                    break
+            if found is None:
+                low, high = -1, len(old_marks) - 1  # mark `low` shared (or none), mark `high` not
+                while low < high - 1:
+                    middle = (low + high) // 2
+                    if text.startswith(old_text[: old_marks[middle][0]]):
+                        low = middle
+                    else:
+                        high = middle
+                found = low if low >= 0 else None
+            if found is not None and old_marks[found][0] > best[0]:
+                end, count = old_marks[found]
+                best = (end, old_ids[:count], old_marks[: found + 1])
+            if quick:
+                break
+        return best
+
+    def _encode_pieces(self, text: str, start: int, ids: array, marks: list) -> array:
+        position = start
+        for piece in self._split.split(text[start:] if start else text) if self.special else [text]:
             if not piece:
                 continue
+            position += len(piece)
             special = self.special.get(piece)
             if special is not None:
                 ids.append(special)
+                marks.append((position, len(ids)))
                 continue
             cached = self.cache.get(piece)
             if cached is None:

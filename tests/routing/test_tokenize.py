@@ -95,3 +95,34 @@ def test_prompt_key_cache_keys_as_block_keys_do_whatever_the_prompts_share():
         ids = array("I", tokens)
         assert cache.hex_keys(ids, 128, seed) == [k.hex() for k in block_keys(ids, 128, seed)]
     assert cache._bytes <= 200_000 + 4 * 2300
+
+
+def test_a_text_sharing_a_recent_ones_start_tokenises_as_if_alone(tokenizer):
+    """What a next turn reuses of a recent text ends just after a special token, so the ids are exactly those
+    of tokenising the text on its own, wherever the two part (inside a word, just before a special token)."""
+    import random
+
+    from tokenizers import Tokenizer
+
+    plain = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
+    rng = random.Random(3)
+    words = [
+        "def",
+        " parse",
+        "(line",
+        "):",
+        "\n",
+        " return",
+        "<|im_start|>",
+        "<|im_end|>",
+        "user",
+        "assistant",
+        "é",
+    ]
+    texts = ["<|im_start|>system\nYou are a coding agent.<|im_end|>\n"]
+    for _ in range(300):
+        base = rng.choice(texts)
+        cut = rng.randrange(len(base) + 1)
+        text = base[:cut] + "".join(rng.choice(words) for _ in range(rng.randrange(1, 30)))
+        texts.append(text)
+        assert list(tokenizer.encode_text(text)) == plain.encode(text, add_special_tokens=False).ids
