@@ -19,7 +19,14 @@ started here runs in its own session and is stopped at the end, on error and on 
 
 Workloads (bench/routing_workloads.py): whole conversations sampled from each Mooncake trace (by conversation
 root, over the trace's full span), the timeline compressed to the replay length; a generated agentic workload.
-Each request is an open-loop, streamed /v1/completions with `prompt` as token ids.
+Each request is an open-loop, streamed /v1/completions with `prompt` as token ids. The chat workloads
+(`--workloads claude-code openai-tools`, not in the default set) send generated tool-using agent sessions as text,
+Claude Code-shaped to /v1/messages and OpenAI-shaped to /v1/chat/completions, so the router renders and tokenises
+them; their ceiling comes from the router-side token ids of each request:
+
+    .venv/bin/python bench/routing.py --quick --workloads claude-code openai-tools \
+        --policies approximate precise "vllm-router cache_aware" --section prefix-routing-chat \
+        --title "Chat traffic: Claude Code and OpenAI tool sessions" --docs docs/benchmarks.md
 """
 
 from __future__ import annotations
@@ -63,7 +70,11 @@ SIM_TIMING = {
     "--max-num-seqs": "32",
 }
 POLICIES = ["round_robin", "least_loaded", "approximate", "precise", "vllm-router cache_aware"]
-TARGETS = {"ceiling_share": 0.95, "max_mean": 1.3}
+TARGETS = {"ceiling_share": 0.95, "max_mean": 1.3, "prediction": 0.02}
+# Requests with tools are refused by an engine without a tool-call parser (as vLLM refuses them).
+TOOL_FLAGS = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+CHAT_WORKLOADS = ("claude-code", "openai-tools")
+MAX_CHAT_PROMPT = MAX_MODEL_LEN - 4096  # chat sessions stop before a prompt would exceed this many tokens
 
 
 def log(message: str) -> None:
@@ -99,6 +110,7 @@ class Engine:
         argv += ["--kv-events-config", json.dumps(events)]
         for flag, value in SIM_TIMING.items():
             argv += [flag, value]
+        argv += TOOL_FLAGS
         self.proc = procs.start(f"routing-engine-{self.index}", argv, core=None, env={"PYTHONHASHSEED": "0"})
 
     def wait(self) -> None:
@@ -516,7 +528,106 @@ def workloads(quick: bool, names: list[str]) -> dict[str, tuple[list[wl.Req], di
             out[name] = wl.trace_subset(name, 24 if quick else 6, duration, MAX_IDS, MAX_OUTPUT)
         elif name == "agentic":
             out[name] = wl.agentic(6 if quick else 20, duration, MAX_OUTPUT)
+        elif name in CHAT_WORKLOADS:
+            out[name] = wl.chat_agentic(
+                name,
+                12 if quick else 30,
+                12.0 if quick else 30.0,
+                MAX_OUTPUT,
+                chat_tokenizer(),
+                MAX_CHAT_PROMPT,
+            )
     return out
+
+
+def chat_tokenizer():
+    """The router's tokenizer for the bench's model: the chat workloads' prompts as the router renders them."""
+    sys.path.insert(0, str(ROOT))
+    from routing.tokenize import RouterTokenizer
+
+    return RouterTokenizer(ROOT / "models" / MODEL)
+
+
+def chat_bodies(reqs: list[wl.Req]) -> list[bytes]:
+    return [json.dumps(req.payload, separators=(",", ":")).encode() for req in reqs]
+
+
+async def chat_replay(ports: list[int], headers: dict, reqs: list[wl.Req], bodies: list[bytes]) -> list[dict]:
+    """streamed.replay for chat workloads: each request streamed as text to its own path (/v1/messages or
+    /v1/chat/completions), TTFT at the first content event, prompt and cached tokens from the usage the stream
+    ends with (Anthropic: input + cache creation + cache read tokens, cached = cache read; OpenAI: prompt_tokens
+    and prompt_tokens_details.cached_tokens). No x-session-id header: the agents do not send one."""
+    import aiohttp
+
+    results: list[dict] = [{} for _ in reqs]
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=aiohttp.ClientTimeout(total=300)
+    ) as session:
+        start = time.perf_counter() + 0.2
+        ended = [asyncio.Event() for _ in reqs]
+
+        async def one(i: int) -> None:
+            req = reqs[i]
+            delay = start + req.at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if req.after is not None and not ended[req.after].is_set():
+                waited = time.perf_counter()
+                await ended[req.after].wait()
+                results[i]["held_back"] = time.perf_counter() - waited
+            try:
+                await send(i, req)
+            finally:
+                ended[i].set()
+
+        async def send(i: int, req: wl.Req) -> None:
+            h = {"Content-Type": "application/json", **headers}
+            anthropic = req.path == "/v1/messages"
+            if anthropic:
+                h["anthropic-version"] = "2023-06-01"
+            out = results[i]
+            sent = time.perf_counter()
+            out["sent"] = sent - start
+            first = None
+            url = f"http://127.0.0.1:{ports[i % len(ports)]}{req.path}"
+            try:
+                async with session.post(url, data=bodies[i], headers=h) as resp:
+                    out["status"] = resp.status
+                    out["request_id"] = resp.headers.get("x-request-id")
+                    async for line in resp.content:
+                        if not line.startswith(b"data: {"):
+                            continue
+                        if first is None and (
+                            b'"content_block_' in line if anthropic else b'"choices":[{' in line
+                        ):
+                            first = time.perf_counter()
+                        if anthropic and b'"message_delta"' in line:
+                            usage = json.loads(line[6:]).get("usage") or {}
+                            out["cached"] = usage.get("cache_read_input_tokens") or 0
+                            out["prompt"] = (
+                                usage.get("input_tokens", 0)
+                                + out["cached"]
+                                + (usage.get("cache_creation_input_tokens") or 0)
+                            )
+                        elif not anthropic and b'"prompt_tokens"' in line:
+                            usage = json.loads(line[6:]).get("usage") or {}
+                            out["prompt"] = usage.get("prompt_tokens", 0)
+                            out["cached"] = (
+                                (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+                            ) or 0
+                    if resp.status != 200:
+                        out["error"] = f"status {resp.status}"
+                    done = time.perf_counter()
+                    out["ttft"] = (first or done) - sent
+                    out["done"] = done - start
+                    out["ok"] = resp.status == 200 and first is not None
+            except Exception as exc:  # noqa: BLE001 - counted as an error
+                out["ok"] = False
+                out["error"] = repr(exc)[:200]
+
+        await asyncio.gather(*(one(i) for i in range(len(reqs))))
+    return results
 
 
 def main(argv: list[str]) -> int:
@@ -581,7 +692,9 @@ def main(argv: list[str]) -> int:
                 f"{name}: {len(reqs)} requests over {reqs[-1].at:.1f} s, ceiling {ceil['ceiling']:.3f}, "
                 f"one LRU of the fleet's capacity {ceil['lru_fleet']:.3f}; {info}"
             )
-            bodies = streamed.completion_bodies(MODEL, reqs)
+            chat = name in CHAT_WORKLOADS
+            bodies = chat_bodies(reqs) if chat else streamed.completion_bodies(MODEL, reqs)
+            replay = chat_replay if chat else streamed.replay
             for round_, policy in itertools.product(range(args.repeat), policies):
                 if any("skipped" in r for r in rows.get((name, policy), [])):
                     continue
@@ -616,6 +729,27 @@ def main(argv: list[str]) -> int:
                                 f"routing-vllm-router-{tag}-{r}",
                                 60,
                             )
+                        if chat:  # does it serve this path? (the router is up: one try tells)
+                            small = {
+                                "model": MODEL,
+                                "max_tokens": 2,
+                                "messages": [{"role": "user", "content": "hi"}],
+                            }
+                            status, answer = ro.http_post(
+                                replicas_up[0][1],
+                                reqs[0].path,
+                                json.dumps(small).encode(),
+                                {"Content-Type": "application/json", "anthropic-version": "2023-06-01"},
+                            )
+                            if status != 200:
+                                for proc, _ in replicas_up:
+                                    procs.stop(proc)
+                                rows[(name, policy)] = [
+                                    {"skipped": f"{reqs[0].path} answered {status}: {answer[:120]!r}"}
+                                ]
+                                for engine in engines:
+                                    engine.reset(time.monotonic() + 30)
+                                continue
                         for engine in engines:  # the probe's blocks
                             engine.reset(time.monotonic() + 30)
                     except Exception as exc:  # noqa: BLE001 - a peer that does not run is skipped
@@ -640,11 +774,11 @@ def main(argv: list[str]) -> int:
                     ]
                     headers = {"Authorization": f"Bearer {key}"}
                 before = [e.counters() for e in engines]
+                cpu0 = sum(ro.tree_cpu(proc.pid) for proc, _ in replicas_up)
                 t0 = time.monotonic()
-                results = asyncio.run(
-                    streamed.replay([port for _, port in replicas_up], headers, reqs, bodies)
-                )
+                results = asyncio.run(replay([port for _, port in replicas_up], headers, reqs, bodies))
                 elapsed = time.monotonic() - t0
+                cpu = sum(ro.tree_cpu(proc.pid) for proc, _ in replicas_up) - cpu0
                 time.sleep(0.3)
                 after = [e.counters() for e in engines]
                 costs = {}
@@ -654,6 +788,9 @@ def main(argv: list[str]) -> int:
                     procs.stop(proc)
                 s = summarize(results, before, after, ceil["ceiling"])
                 s["router_added_ms"] = costs.get("added_ms", float("nan"))
+                s["router_cpu_ms"] = 1000 * cpu / len(results) if results else float("nan")
+                s["predicted"] = costs.get("predicted", float("nan"))
+                s["reported"] = costs.get("reported", float("nan"))
                 if costs.get("lookups") or costs.get("fallbacks"):
                     log(
                         f"{name:<12} {policy:<24} router added {costs['added_ms']:.2f} ms mean; index lookup "
@@ -756,6 +893,7 @@ def report(args, argv, rows, meta, policies, loads) -> str:
         if args.repeat > 1
         else ""
     )
+    only_chat = all(name in CHAT_WORKLOADS for name in loads)
     lines = [
         f"### {args.title or default_title(args)}",
         "",
@@ -771,7 +909,7 @@ def report(args, argv, rows, meta, policies, loads) -> str:
         f"{', from ' + args.router_root if args.router_root else ''}, "
         f"`ROUTER_APPROX_BLOCKS_PER_ENDPOINT={kv}`; restarted for every policy; "
         "engine caches reset before every policy. vllm-router 0.1.17 `--policy cache_aware` (defaults) on the same engines.",
-        f"- Requests: streamed /v1/completions, `prompt` = token ids (each trace hash id -> a fixed block of 512 ids in "
+        f"- Requests (Mooncake and agentic workloads): streamed /v1/completions, `prompt` = token ids (each trace hash id -> a fixed block of 512 ids in "
         f"[100, 4000)), prompts capped at {MAX_IDS} ids ({MAX_IDS * 512:,} tokens), `max_tokens` = "
         f"min(trace output, {MAX_OUTPUT}); open loop at the scaled timestamps, one connection per request, "
         "except that a trace request continuing an earlier turn of its conversation (that turn's full blocks start "
@@ -790,8 +928,37 @@ def report(args, argv, rows, meta, policies, loads) -> str:
         "vllm-router does not report it.",
         f"- Our router at commit {git_head(Path(args.router_root) if args.router_root else ROOT)}.",
     ]
+    if only_chat:
+        lines = [line for line in lines if not line.startswith("- Requests (Mooncake")]
+    chat = [name for name in loads if name in CHAT_WORKLOADS]
+    if chat:
+        lines.append(
+            "- Requests (chat workloads): the sessions sent as text, streamed, so the router renders and tokenises "
+            "them as the engine does: claude-code as POST /v1/messages (`anthropic-version`, `system` as 2 text "
+            "blocks with `cache_control`, 16 tools with JSON schemas, assistant turns of text plus tool_use blocks, "
+            "user turns of tool_result blocks holding file text, some as lists of text blocks, some `is_error`, "
+            "`metadata.user_id`); openai-tools as POST /v1/chat/completions with `stream_options.include_usage` "
+            "(the same system text and tools as functions, user content as text parts, assistant `tool_calls` "
+            "with JSON-string arguments and `content` null, `role: tool` results). No `x-session-id` header (the "
+            "agents send none). Engines started with `"
+            + " ".join(TOOL_FLAGS)
+            + "`. Text from standard-library "
+            f"source (`{', '.join(wl.SOURCE_MODULES)}`), deterministic; sessions stop before a prompt would "
+            f"exceed {MAX_CHAT_PROMPT:,} tokens. A turn continuing a session, or a sub-agent's second request, is "
+            "not sent before the request it continues ended. Ceiling from the router-side token ids of every "
+            "request (`RouterTokenizer.encode_request`), the same 128-token block keys. Predicted / reported: our "
+            "router's `router_prefix_predicted_cached_tokens_total` over `router_prefix_reported_cached_tokens_"
+            "total` from its /metrics (tokens it predicted the chosen engine had cached, against what the engine's "
+            "usage reported). Router CPU: CPU seconds of the router process (ours or vllm-router) over the replay, "
+            "per request."
+        )
     for name, m in meta.items():
-        if name == "agentic":
+        if name in CHAT_WORKLOADS:
+            desc = (
+                f"{m['path']}, {m['sessions']} sessions, {m['n']} requests ({m['subagent_requests']} from "
+                f"{m['bursts']} sub-agent bursts) over {m['span']:.0f} s"
+            )
+        elif name == "agentic":
             desc = (
                 f"{m['sessions']} sessions, {m['n']} requests ({m['subagent_requests']} from {m['bursts']} "
                 f"sub-agent bursts) over {m['span']:.0f} s"
@@ -807,6 +974,7 @@ def report(args, argv, rows, meta, policies, loads) -> str:
             f"cache, {BLOCK}-token blocks, in prompt tokens) {m['ceiling']:.1%}; one LRU cache of the fleet's "
             f"total capacity would reach {m['lru_fleet']:.1%}."
         )
+    table_at = len(lines)
     lines += [
         "",
         "| workload | policy | prefix-hit share (engines) | of ceiling | of fleet LRU | of timed ceiling | "
@@ -817,7 +985,7 @@ def report(args, argv, rows, meta, policies, loads) -> str:
     for name in loads:
         for policy in policies:
             s = rows.get((name, policy))
-            if s is None:
+            if s is None or name in CHAT_WORKLOADS:
                 continue
             if "skipped" in s:
                 lines.append(f"| {name} | {policy} | skipped: {s['skipped']} | | | | | | | | | | |")
@@ -831,6 +999,12 @@ def report(args, argv, rows, meta, policies, loads) -> str:
                 f"{fmt(s['rps'])} | "
                 f"{fmt(s['tps'], 0)} | {cell(s, 'max_mean', 2)} | {s['errors']} |"
             )
+    if only_chat:
+        del lines[table_at:]
+    if chat:
+        lines += chat_table(rows, policies, chat, meta)
+    if only_chat:
+        return "\n".join(lines)
     lines += [
         "",
         "Targets (precise): at least 95 % of the ceiling with max/mean load at most 1.3, and a lower TTFT "
@@ -840,7 +1014,7 @@ def report(args, argv, rows, meta, policies, loads) -> str:
     ]
     for name in loads:
         p = rows.get((name, "precise"))
-        if not p or "skipped" in p:
+        if not p or "skipped" in p or name in CHAT_WORKLOADS:
             continue
         checks = [
             (f"{p['of_ceiling']:.0%} of ceiling", verdict(p["of_ceiling"] >= TARGETS["ceiling_share"])),
@@ -863,6 +1037,54 @@ def report(args, argv, rows, meta, policies, loads) -> str:
                 )
         lines.append(f"- {name}: " + "; ".join(f"{t} **{result}**" for t, result in checks))
     return "\n".join(lines)
+
+
+def chat_table(rows, policies, chat, meta) -> list[str]:
+    """The chat workloads' table and their targets (precise: at least 95 % of the ceiling on every dialect,
+    predicted cached tokens within 2 % of those the engines reported)."""
+    lines = [
+        "",
+        "| workload | policy | prefix-hit share (engines) | of ceiling | of timed ceiling | predicted / reported "
+        "cached tokens | TTFT p50 / p90 (ms) | router added, mean (ms) | router CPU per request (ms) | "
+        "requests per engine max/mean | errors |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name in chat:
+        for policy in policies:
+            s = rows.get((name, policy))
+            if s is None:
+                continue
+            if "skipped" in s:
+                lines.append(f"| {name} | {policy} | skipped: {s['skipped']} | | | | | | | | |")
+                continue
+            predicted = "n/a (not reported)"
+            if s.get("reported") == s.get("reported") and s.get("reported"):
+                predicted = (
+                    f"{s['predicted'] / s['reported']:.3f} ({s['predicted'] / 1e6:.2f}M / "
+                    f"{s['reported'] / 1e6:.2f}M)"
+                )
+            lines.append(
+                f"| {name} | {policy} | {cell(s, 'hit_share', 1, pct=True)} | {s['of_ceiling']:.0%} | "
+                f"{s['hit_share'] / s['timed_ceiling']:.0%} of {s['timed_ceiling']:.1%} | {predicted} | "
+                f"{fmt(s['ttft_p50'], 0)} / {cell(s, 'ttft_p90', 0)} | "
+                f"{fmt(s.get('router_added_ms', float('nan')), 1)} | {fmt(s.get('router_cpu_ms', float('nan')), 1)} "
+                f"| {cell(s, 'max_mean', 2)} | {s['errors']} |"
+            )
+    lines += [
+        "",
+        "Targets (precise, every dialect): at least 95 % of the ceiling; predicted within 2 % of reported:",
+        "",
+    ]
+    for name in chat:
+        p = rows.get((name, "precise"))
+        if not p or "skipped" in p:
+            continue
+        ratio = p["predicted"] / p["reported"] if p.get("reported") else float("nan")
+        lines.append(
+            f"- {name}: {p['of_ceiling']:.1%} of ceiling **{verdict(p['of_ceiling'] >= TARGETS['ceiling_share'])}**; "
+            f"predicted / reported {ratio:.3f} **{verdict(abs(ratio - 1) <= TARGETS['prediction'])}**"
+        )
+    return lines
 
 
 if __name__ == "__main__":

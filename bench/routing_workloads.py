@@ -9,6 +9,7 @@ leading tokens of its last id's block.
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import zlib
@@ -34,6 +35,11 @@ class Req:
     session: str | None = None
     tags: dict = field(default_factory=dict)
     after: int | None = None  # index of the request this one continues: it is not sent before that one ended
+    # Chat workloads: the request body (sent as text to `path`) and the prompt's token ids as the router renders
+    # and tokenises it (RouterTokenizer.encode_request), from which the ceilings' block keys are taken.
+    payload: dict | None = None
+    path: str = "/v1/completions"
+    tokens: list[int] | None = None
 
 
 _BLOCKS: dict[int, list[int]] = {}
@@ -48,6 +54,8 @@ def id_tokens(block_id: int) -> list[int]:
 
 
 def prompt_tokens(req: Req) -> list[int]:
+    if req.tokens is not None:
+        return req.tokens
     out: list[int] = []
     for block_id in req.ids:
         out.extend(id_tokens(block_id))
@@ -180,6 +188,12 @@ def agentic(sessions: int, duration_s: float, max_output: int, seed: int = 7) ->
 
 def block_keys(req: Req, block_size: int) -> list[int]:
     """Chained keys of the prompt's full engine blocks (equal keys, equal token prefixes)."""
+    if req.tokens is not None:
+        keys, prev = [], None
+        for j in range(len(req.tokens) // block_size):
+            prev = hash((prev, tuple(req.tokens[j * block_size : (j + 1) * block_size])))
+            keys.append(prev)
+        return keys
     per_id = ID_TOKENS // block_size
     keys = []
     prev = None
@@ -313,7 +327,8 @@ def ttft_tail(
 
 def router_costs(metrics_texts: list[str]) -> dict:
     """From our router replicas' /metrics at the end of a cell: the mean time the router added before a request
-    reached an engine, the precise index's mean round trip, and the lookups Redis did not answer in time."""
+    reached an engine, the precise index's mean round trip, the lookups Redis did not answer in time, and the
+    prompt tokens it predicted the chosen engines had cached against those the engines reported."""
     from prometheus_client.parser import text_string_to_metric_families
 
     sums: dict[str, float] = {}
@@ -326,6 +341,8 @@ def router_costs(metrics_texts: list[str]) -> dict:
                     "router_prefix_index_lookup_seconds_sum",
                     "router_prefix_index_lookup_seconds_count",
                     "router_prefix_index_fallbacks_total",
+                    "router_prefix_predicted_cached_tokens_total",
+                    "router_prefix_reported_cached_tokens_total",
                 ):
                     sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
     added = sums.get("router_added_latency_seconds_count", 0.0)
@@ -341,4 +358,368 @@ def router_costs(metrics_texts: list[str]) -> dict:
         ),
         "lookups": int(lookups),
         "fallbacks": int(sums.get("router_prefix_index_fallbacks_total", 0.0)),
+        "predicted": sums.get("router_prefix_predicted_cached_tokens_total", 0.0),
+        "reported": sums.get("router_prefix_reported_cached_tokens_total", 0.0),
     }
+
+
+# --- chat workloads: agent sessions sent as text -------------------------------------------------------------
+
+CHAT_PATHS = {"claude-code": "/v1/messages", "openai-tools": "/v1/chat/completions"}
+SOURCE_MODULES = ["typing.py", "inspect.py", "argparse.py", "functools.py", "subprocess.py", "difflib.py"]
+_STR, _INT, _BOOL = {"type": "string"}, {"type": "integer"}, {"type": "boolean"}
+AGENT_TOOLS = [
+    (
+        "Bash",
+        "Executes a shell command in a persistent shell session, with an optional timeout.",
+        {"command": _STR, "description": _STR, "timeout": _INT, "run_in_background": _BOOL},
+        ["command"],
+    ),
+    (
+        "Read",
+        "Reads a file from the local filesystem; lines are numbered from 1 (cat -n format).",
+        {"file_path": _STR, "offset": _INT, "limit": _INT},
+        ["file_path"],
+    ),
+    (
+        "Edit",
+        "Performs an exact string replacement in a file; old_string must be unique unless replace_all.",
+        {"file_path": _STR, "old_string": _STR, "new_string": _STR, "replace_all": _BOOL},
+        ["file_path", "old_string", "new_string"],
+    ),
+    (
+        "MultiEdit",
+        "Makes several edits to one file in a single operation, applied in order.",
+        {
+            "file_path": _STR,
+            "edits": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {"old_string": _STR, "new_string": _STR, "replace_all": _BOOL},
+                    "required": ["old_string", "new_string"],
+                },
+            },
+        },
+        ["file_path", "edits"],
+    ),
+    (
+        "Write",
+        "Writes a file to the local filesystem, overwriting it if it exists.",
+        {"file_path": _STR, "content": _STR},
+        ["file_path", "content"],
+    ),
+    (
+        "Grep",
+        "A search tool built on ripgrep: regular expressions, glob filters and output modes.",
+        {
+            "pattern": _STR,
+            "path": _STR,
+            "glob": _STR,
+            "output_mode": {"type": "string", "enum": ["content", "files_with_matches", "count"]},
+            "-i": _BOOL,
+            "-n": _BOOL,
+            "head_limit": _INT,
+        },
+        ["pattern"],
+    ),
+    (
+        "Glob",
+        "Fast file pattern matching that works with any codebase size, sorted by modification time.",
+        {"pattern": _STR, "path": _STR},
+        ["pattern"],
+    ),
+    (
+        "LS",
+        "Lists files and directories in a given path; absolute paths only.",
+        {"path": _STR, "ignore": {"type": "array", "items": _STR}},
+        ["path"],
+    ),
+    (
+        "Task",
+        "Launches a new agent to handle a complex, multi-step task autonomously.",
+        {"description": _STR, "prompt": _STR, "subagent_type": _STR},
+        ["description", "prompt", "subagent_type"],
+    ),
+    (
+        "TodoWrite",
+        "Creates and manages a structured task list for the current coding session.",
+        {
+            "todos": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "content": _STR,
+                        "status": {"type": "string", "enum": ["pending", "in_progress", "completed"]},
+                        "id": _STR,
+                    },
+                    "required": ["content", "status", "id"],
+                },
+            }
+        },
+        ["todos"],
+    ),
+    (
+        "WebFetch",
+        "Fetches content from a URL and processes it with a prompt.",
+        {"url": {"type": "string", "format": "uri"}, "prompt": _STR},
+        ["url", "prompt"],
+    ),
+    (
+        "WebSearch",
+        "Searches the web and uses the results to inform responses.",
+        {"query": _STR, "allowed_domains": {"type": "array", "items": _STR}},
+        ["query"],
+    ),
+    (
+        "NotebookEdit",
+        "Replaces the contents of a specific cell in a Jupyter notebook.",
+        {
+            "notebook_path": _STR,
+            "cell_id": _STR,
+            "new_source": _STR,
+            "edit_mode": {"type": "string", "enum": ["replace", "insert", "delete"]},
+        },
+        ["notebook_path", "new_source"],
+    ),
+    (
+        "BashOutput",
+        "Retrieves output from a running or completed background bash shell.",
+        {"bash_id": _STR, "filter": _STR},
+        ["bash_id"],
+    ),
+    ("KillShell", "Kills a running background bash shell by its id.", {"shell_id": _STR}, ["shell_id"]),
+    (
+        "ExitPlanMode",
+        "Prompts the user to exit plan mode once the plan is ready to be coded.",
+        {"plan": _STR},
+        ["plan"],
+    ),
+]
+
+
+def _source_lines() -> list[str]:
+    import os
+
+    lib = Path(os.__file__).parent
+    lines: list[str] = []
+    for name in SOURCE_MODULES:
+        lines += (lib / name).read_text().splitlines()
+    return lines
+
+
+def _system_texts(lines: list[str]) -> list[str]:
+    """Claude Code's two system blocks: the identity line and the large instructions block (a project's
+    instructions file, here standard-library text)."""
+    rules = "\n".join(
+        f"- Rule {i}: follow the repository's conventions for {topic}; read the code before changing it."
+        for i, topic in enumerate(["naming", "tests", "imports", "errors", "logging", "types", "docs"] * 4)
+    )
+    return [
+        "You are Claude Code, Anthropic's official CLI for Claude.",
+        "You are an interactive CLI tool that helps users with software engineering tasks.\n\n# Conventions\n"
+        + rules
+        + "\n\n# Project instructions (CLAUDE.md)\n"
+        + "\n".join(lines[:260]),
+    ]
+
+
+def _tool_specs() -> list[tuple[str, str, dict]]:
+    out = []
+    for name, summary, props, required in AGENT_TOOLS:
+        notes = " ".join(
+            f"The `{p}` parameter is {'required' if p in required else 'optional'}." for p in props
+        )
+        description = (
+            f"{summary}\n\nUsage notes: {notes} Prefer this tool over shell equivalents where it fits."
+        )
+        out.append(
+            (
+                name,
+                description,
+                {"type": "object", "properties": props, "required": required, "additionalProperties": False},
+            )
+        )
+    return out
+
+
+@dataclass
+class _Round:
+    text: str
+    calls: list[tuple[str, str, dict]]  # (id, tool name, input)
+    results: list[tuple[str, str, bool]]  # (tool use id, content, is_error)
+
+
+@dataclass
+class _Conversation:
+    task: str
+    rounds: list[_Round] = field(default_factory=list)
+
+
+def chat_payload(
+    dialect: str, system: list[str], tools: list, conv: _Conversation, max_tokens: int, user_id: str
+) -> dict:
+    """One request of a session, as `dialect` sends it: the conversation so far, ending with a user turn."""
+    if dialect == "claude-code":
+        messages: list[dict] = [{"role": "user", "content": [{"type": "text", "text": conv.task}]}]
+        for r in conv.rounds:
+            content: list[dict] = [{"type": "text", "text": r.text}]
+            content += [{"type": "tool_use", "id": i, "name": n, "input": a} for i, n, a in r.calls]
+            messages.append({"role": "assistant", "content": content})
+            results = []
+            for tool_id, text, error in r.results:
+                block: dict = {"type": "tool_result", "tool_use_id": tool_id}
+                if error:
+                    block.update(content=text, is_error=True)
+                elif len(text) % 3 == 0:  # a string or a list of text blocks, as clients send both
+                    block["content"] = [{"type": "text", "text": text}]
+                else:
+                    block["content"] = text
+                results.append(block)
+            messages.append({"role": "user", "content": results})
+        return {
+            "model": "tiny-qwen",
+            "max_tokens": max_tokens,
+            "stream": True,
+            "system": [{"type": "text", "text": t, "cache_control": {"type": "ephemeral"}} for t in system],
+            "tools": [{"name": n, "description": d, "input_schema": s} for n, d, s in tools],
+            "messages": messages,
+            "metadata": {"user_id": user_id},
+        }
+    messages = [
+        {"role": "system", "content": "\n\n".join(system)},
+        {"role": "user", "content": [{"type": "text", "text": conv.task}]},
+    ]
+    for r in conv.rounds:
+        calls = [
+            {"id": i, "type": "function", "function": {"name": n, "arguments": json.dumps(a)}}
+            for i, n, a in r.calls
+        ]
+        messages.append({"role": "assistant", "content": None, "tool_calls": calls})
+        messages += [{"role": "tool", "tool_call_id": i, "content": text} for i, text, _ in r.results]
+    return {
+        "model": "tiny-qwen",
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "tools": [
+            {"type": "function", "function": {"name": n, "description": d, "parameters": s}}
+            for n, d, s in tools
+        ],
+        "messages": messages,
+    }
+
+
+def chat_agentic(
+    dialect: str,
+    sessions: int,
+    duration_s: float,
+    max_output: int,
+    tokenizer,
+    max_prompt: int,
+    seed: int = 11,
+) -> tuple[list[Req], dict]:
+    """Tool-using agent sessions sent as text (`dialect`: claude-code, /v1/messages; openai-tools,
+    /v1/chat/completions): every request carries the shared system prompt and the 16 tools; a session's
+    requests grow by one round a turn (an assistant turn of text plus 1-2 tool calls, then their results: file
+    text, now and then an error). After some turns the assistant calls Task 3-5 times at once: a burst of
+    sub-agents, new conversations with the same system prompt and tools, two requests each, whose findings
+    come back as the Task results. Sessions start over the first 55 % of the run. Each request's `tokens` are
+    the prompt as `tokenizer` (a RouterTokenizer) renders it; a session stops before a prompt would exceed
+    `max_prompt` tokens. Deterministic for a seed and Python version (the text is standard-library source)."""
+    path = CHAT_PATHS[dialect]
+    rng = random.Random(seed)
+    lines = _source_lines()
+    system, tools = _system_texts(lines), _tool_specs()
+    gap = duration_s / 12
+    reqs: list[Req] = []
+    after: dict[int, Req] = {}  # id(request) -> the request it continues
+    counter = itertools.count()
+    bursts = subagents = 0
+
+    def file_text(n_lines: int) -> tuple[str, str]:
+        start = rng.randrange(260, len(lines) - n_lines)
+        body = "\n".join(
+            f"{start + k + 1:>6}\t{line}" for k, line in enumerate(lines[start : start + n_lines])
+        )
+        return f"src/{SOURCE_MODULES[start % len(SOURCE_MODULES)].replace('.py', '')}/m{start}.py", body
+
+    def tool_round(turn: int) -> _Round:
+        calls, results = [], []
+        for _ in range(rng.choice((1, 1, 2))):
+            call_id = f"toolu_{next(counter):06d}"
+            path_, body = file_text(rng.randint(60, 140))
+            if rng.random() < 0.5:
+                calls.append((call_id, "Read", {"file_path": f"/repo/{path_}"}))
+            else:
+                calls.append(
+                    (call_id, "Grep", {"pattern": f"def \\w+_{turn}", "path": "/repo/src", "-n": True})
+                )
+            error = rng.random() < 0.08
+            results.append((call_id, f"Error: file not found: /repo/{path_}" if error else body, error))
+        return _Round(f"Let me look at this (step {turn}).", calls, results)
+
+    def make(conv: _Conversation, at: float, session: str, prev: Req | None) -> Req | None:
+        payload = chat_payload(dialect, system, tools, conv, max_output, f"user_bench_session_{session}")
+        tokens = list(tokenizer.encode_request(payload, path))
+        if len(tokens) > max_prompt:
+            return None
+        req = Req(at, [], len(tokens), max_output, session, payload=payload, path=path, tokens=tokens)
+        reqs.append(req)
+        if prev is not None:
+            after[id(req)] = prev
+        return req
+
+    for s in range(sessions):
+        session = f"sess-{s}"
+        conv = _Conversation(f"In session {s}: fix the failing test in module {s} and keep the public API.")
+        t = rng.uniform(0, 0.55 * duration_s)
+        prev: Req | None = None
+        for turn in range(rng.randint(6, 9)):
+            req = make(conv, t, session, prev)
+            if req is None:
+                break
+            prev = req
+            if turn >= 1 and rng.random() < 0.2:
+                bursts += 1
+                calls, results = [], []
+                t_sub = t + rng.uniform(0.3, 0.6) * gap * 0.5
+                for k in range(rng.randint(3, 5)):
+                    subagents += 1
+                    task = f"Sub-agent {k} of session {s}, turn {turn}: find every caller of helper_{k}."
+                    call_id = f"toolu_{next(counter):06d}"
+                    calls.append(
+                        (
+                            call_id,
+                            "Task",
+                            {
+                                "description": f"callers {k}",
+                                "prompt": task,
+                                "subagent_type": "general-purpose",
+                            },
+                        )
+                    )
+                    sub = _Conversation(task)
+                    first = make(sub, t_sub, f"{session}-sub{turn}-{k}", None)
+                    sub.rounds.append(tool_round(100 + k))
+                    make(sub, t_sub + rng.uniform(0.6, 1.0) * gap, f"{session}-sub{turn}-{k}", first)
+                    results.append(
+                        (call_id, f"Sub-agent {k} found {rng.randint(2, 9)} callers of helper_{k}.", False)
+                    )
+                conv.rounds.append(_Round("I'll split this across sub-agents.", calls, results))
+                t = t_sub + 1.2 * gap
+            conv.rounds.append(tool_round(turn))
+            t += rng.uniform(0.6, 1.2) * gap
+    reqs.sort(key=lambda r: r.at)
+    position = {id(r): i for i, r in enumerate(reqs)}
+    for r in reqs:
+        if id(r) in after:
+            r.after = position[id(after[id(r)])]
+    info = {
+        "sessions": sessions,
+        "bursts": bursts,
+        "subagent_requests": sum(1 for r in reqs if "-sub" in (r.session or "")),
+        "path": path,
+    }
+    return reqs, info

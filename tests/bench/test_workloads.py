@@ -123,3 +123,65 @@ def test_router_costs_read_the_routers_own_metrics_summed_over_replicas():
     assert round(costs["added_ms"], 6) == 3.0 and round(costs["lookup_ms"], 6) == 2.0
     assert costs["lookups"] == 2 and costs["fallbacks"] == 1
     assert wl.router_costs([""])["lookups"] == 0  # a replica that did not answer
+
+
+def _chat(dialect: str):
+    from pathlib import Path
+
+    from routing.tokenize import RouterTokenizer
+
+    tokenizer = RouterTokenizer(Path(__file__).resolve().parents[2] / "models" / "tiny-qwen")
+    return wl.chat_agentic(dialect, 3, 6.0, 8, tokenizer, 20_000), tokenizer
+
+
+def _consume(value) -> None:
+    """Walk a validated request, so that pydantic's lazy validators of its Iterable fields run."""
+    if isinstance(value, dict):
+        for item in value.values():
+            _consume(item)
+    elif not isinstance(value, str | bytes | int | float | bool | type(None)):
+        for item in value:
+            _consume(item)
+
+
+def test_chat_workloads_are_deterministic_and_render_as_the_router_renders_them():
+    import pydantic
+    from anthropic.types.message_create_params import MessageCreateParamsStreaming
+    from openai.types.chat.completion_create_params import CompletionCreateParamsStreaming
+
+    sdk_types = {
+        "claude-code": pydantic.TypeAdapter(MessageCreateParamsStreaming),
+        "openai-tools": pydantic.TypeAdapter(CompletionCreateParamsStreaming),
+    }
+    for dialect in ("claude-code", "openai-tools"):
+        (reqs, info), tokenizer = _chat(dialect)
+        (again, _), _ = _chat(dialect)
+        assert [(r.at, r.payload, r.tokens, r.after) for r in reqs] == [
+            (r.at, r.payload, r.tokens, r.after) for r in again
+        ]
+        assert info["subagent_requests"] > 0 and 0 <= reqs[0].at <= reqs[-1].at < 2 * 6.0
+        for i, req in enumerate(reqs):
+            assert req.path == wl.CHAT_PATHS[dialect]
+            assert 0 < len(req.tokens) <= 20_000 and req.length == len(req.tokens)
+            assert list(tokenizer.encode_request(req.payload, req.path)) == req.tokens
+            assert len(req.payload["tools"]) == 16
+            _consume(sdk_types[dialect].validate_python(req.payload))  # the official SDK's request type
+            if req.after is not None:  # a continuation: the earlier prompt is a prefix of this one's text
+                assert req.after < i
+                earlier = reqs[req.after]
+                assert len(earlier.tokens) < len(req.tokens)
+        if dialect == "claude-code":
+            assert all(b["cache_control"] for b in reqs[0].payload["system"])
+            kinds = {b["type"] for r in reqs for m in r.payload["messages"] for b in m["content"]}
+            assert {"text", "tool_use", "tool_result"} <= kinds
+        else:
+            roles = {m["role"] for r in reqs for m in r.payload["messages"]}
+            assert roles == {"system", "user", "assistant", "tool"}
+            calls = [m for r in reqs for m in r.payload["messages"] if m["role"] == "assistant"]
+            assert all(
+                m["content"] is None and isinstance(m["tool_calls"][0]["function"]["arguments"], str)
+                for m in calls
+            )
+            assert reqs[0].payload["stream_options"] == {"include_usage": True}
+        # Sessions share the system prompt and tools: the ceiling counts that prefix and the history.
+        assert wl.ceilings(reqs, BLOCK)["ceiling"] > 0.5
