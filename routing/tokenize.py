@@ -123,7 +123,7 @@ class RouterTokenizer:
         if template is None and (folder / "chat_template.jinja").exists():
             template = (folder / "chat_template.jinja").read_text()
         self.traits = template_traits(template)
-        self.merge_inline_system = _rejects_inline_system(template)
+        self.merge_inline_system = rejects_inline_system(template)
         self.multimodal = _is_multimodal(folder)
         env = ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
@@ -247,7 +247,7 @@ def _tojson(value, indent=None, separators=None, sort_keys=False) -> str:
     return json.dumps(value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-def _rejects_inline_system(template: str | None) -> bool:
+def rejects_inline_system(template: str | None) -> bool:
     """Whether the template refuses a system message after the first one (Qwen's templates raise on it); the
     engine then merges an Anthropic request's inline system messages into the leading one. Probed as vLLM
     probes it: a plain sandbox, no helpers, a system-user-system-user conversation."""

@@ -167,6 +167,8 @@ def sim_engine() -> RunningEngine:
 def vllm_engine() -> RunningEngine:
     if not ENGINE_PYTHON.exists():
         pytest.fail(f"no engine environment at {ENGINE_PYTHON}: run scripts/engine-env.sh (make test does)")
-    engine = start_engine("vllm")
+    # --enable-scale-out serves vLLM's own renderer (/v1/chat/completions/render, /v1/messages/render): the
+    # oracle of the router's render parity tests.
+    engine = start_engine("vllm", "--enable-scale-out")
     yield engine
     engine.stop()

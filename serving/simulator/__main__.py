@@ -38,6 +38,8 @@ IGNORED_VALUE_FLAGS = [
     "--swap-space",
     "--max-num-batched-tokens",
     "--kv-offloading-backend",
+    "--tool-strict-level",
+    "--tool-parser-plugin",
 ]
 IGNORED_SWITCHES = [
     "--enforce-eager",
@@ -81,6 +83,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-transfer-config", type=json_arg)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-gpu-blocks-override", type=int, default=None, help="KV cache capacity in blocks")
+    p.add_argument(
+        "--enable-auto-tool-choice", action="store_true", help="call tools (needs --tool-call-parser)"
+    )
+    p.add_argument("--tool-call-parser", help="vLLM's tool-call parser for the model (hermes, ...)")
+    p.add_argument("--reasoning-parser", help="vLLM's reasoning parser for the model")
+    p.add_argument(
+        "--exclude-tools-when-tool-choice-none",
+        action="store_true",
+        help="leave the tools out of the prompt when tool_choice is none",
+    )
+    p.add_argument("--chat-template", help="a chat template, or the path of a file that holds one")
     sim = p.add_argument_group("simulator")
     sim.add_argument(
         "--kv-cache-blocks", type=int, default=4096, help="KV capacity in blocks if not overridden"
@@ -129,6 +142,44 @@ def parser() -> argparse.ArgumentParser:
     for flag in IGNORED_SWITCHES:
         p.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
     return p
+
+
+def check_args(args) -> None:
+    """The start-up checks vLLM makes of these flags, failing as it fails (its error's last line, status 1)."""
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise SystemExit("TypeError: Error: --enable-auto-tool-choice requires --tool-call-parser")
+    if not (args.enable_auto_tool_choice or args.reasoning_parser):
+        return
+    # vLLM 0.32's parser registries, as the platform lists them.
+    from serving.model_families import REASONING_PARSERS, TOOL_CALL_PARSERS  # noqa: PLC0415
+
+    if args.enable_auto_tool_choice and args.tool_call_parser not in TOOL_CALL_PARSERS:
+        raise SystemExit(
+            f"KeyError: 'invalid tool call parser: {args.tool_call_parser} "
+            f"(chose from {{ {','.join(TOOL_CALL_PARSERS)} }})'"
+        )
+    if args.reasoning_parser and args.reasoning_parser not in REASONING_PARSERS:
+        raise SystemExit(
+            f"KeyError: 'invalid reasoning parser: {args.reasoning_parser} "
+            f"(chose from {{ {','.join(REASONING_PARSERS)} }})'"
+        )
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """--chat-template as vLLM reads it: the file at that path, else the value itself when it looks like a
+    template (it holds `{`, `}` or a newline); anything else is a path that does not exist."""
+    if value is None:
+        return None
+    try:
+        with open(value) as fh:
+            return fh.read()
+    except OSError as exc:
+        if not any(c in value for c in "{}\n"):
+            raise SystemExit(
+                f"ValueError: The supplied chat template string ({value}) appears path-like, but doesn't exist! "
+                f"({exc})"
+            ) from exc
+        return value
 
 
 def model_config(args) -> dict:
@@ -251,7 +302,7 @@ async def serve(args) -> None:
             os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1"),
             int(os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600")),
         )
-    tokenizer = ModelTokenizer(args.tokenizer or args.model)
+    tokenizer = ModelTokenizer(args.tokenizer or args.model, chat_template=args.chat_template_text)
     engine = Engine(
         pool=pool,
         metrics=metrics,
@@ -280,6 +331,9 @@ async def serve(args) -> None:
         max_model_len=max_model_len(args),
         prompt_tokens_details=args.enable_prompt_tokens_details,
         kv_events_config=events_config,
+        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+        reasoning_parser=args.reasoning_parser,
+        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
     )
     runner = web.AppRunner(
         SimulatorApp(engine, tokenizer, model).app(), handler_cancellation=True, access_log=None
@@ -307,6 +361,8 @@ async def serve(args) -> None:
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parser().parse_args(argv)
+    check_args(args)
+    args.chat_template_text = load_chat_template(args.chat_template)
     try:
         import uvloop  # noqa: PLC0415  (faster event loop when installed)
 

@@ -7,7 +7,9 @@
   it) or received from a peer,
   plus `cpu_restore_time_per_token` for every token loaded back from the CPU tier (when there is one).
 - Decode streams one token every `decode_time + decode_time_per_seq * (running - 1)` seconds.
-- Generation is deterministic: the same prompt and seed give the same tokens.
+- Generation is deterministic: the same prompt and seed give the same tokens. A request may bring its own
+  output (`output_script`, such as a tool call ending with the end-of-sequence token): it is generated token by
+  token like any other and finishes with "stop" when all of it fits in `max_tokens`.
 """
 
 from __future__ import annotations
@@ -43,15 +45,29 @@ class Request:
     max_tokens: int
     seed: int | None = None
     kv_transfer_params: dict | None = None
+    output_script: list[int] | None = None  # the output to generate instead of sampled tokens
     arrival: float = field(default_factory=time.monotonic)
     # Filled in as the request runs.
     cached_tokens: int = 0  # GPU prefix hits plus tokens restored from the CPU tier, as vLLM's usage counts
+    created_cache_tokens: int = 0  # prompt tokens this request computed and wrote to the prefix cache
     restored_tokens: int = 0  # the part of cached_tokens loaded from the CPU tier
     transferred_tokens: int = 0
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     kv_transfer_out: dict | None = None
     first_token_at: float | None = None
+
+    @property
+    def output_limit(self) -> int:
+        """How many tokens the request will generate if it runs to its end."""
+        if self.output_script is None:
+            return self.max_tokens
+        return min(self.max_tokens, len(self.output_script))
+
+    @property
+    def stops(self) -> bool:
+        """Whether it ends by itself (its whole script fits) rather than at max_tokens."""
+        return self.output_script is not None and len(self.output_script) <= self.max_tokens
 
 
 class RemotePrefillError(Exception):
@@ -110,10 +126,11 @@ class Engine:
             admitted = True
             await self._prefill(request, hashes, allocation)
             rng = random.Random(self._seed_for(request))
-            for index in range(request.max_tokens):
+            script = request.output_script
+            for index in range(request.output_limit):
                 if index:
                     await self._decode_step()
-                token = rng.choice(self.output_pool)
+                token = script[index] if script is not None else rng.choice(self.output_pool)
                 request.output_ids.append(token)
                 if index == 0:
                     request.first_token_at = time.monotonic()
@@ -121,7 +138,7 @@ class Engine:
                 self.metrics.generation_tokens.inc()
                 self._grow(request, allocation)
                 yield token
-            request.finish_reason = "length"
+            request.finish_reason = "stop" if request.stops else "length"
             finished_normally = True
             hold = bool((request.kv_transfer_params or {}).get("do_remote_decode"))
             if hold:
@@ -207,6 +224,10 @@ class Engine:
             self.metrics.external_prefix_hits.inc(request.restored_tokens)
         self.metrics.prompt_tokens.inc(total)
         if self.prefix_caching:
+            # vLLM's usage: the prompt's full blocks, now all cached, less those that were cached already.
+            size = self.pool.block_size
+            held = request.cached_tokens + request.transferred_tokens
+            request.created_cache_tokens = max(0, total // size * size - held)
             # Restored blocks are written into GPU blocks and cached there again (a new GPU BlockStored).
             hit_blocks = local_hit // self.pool.block_size
             size = self.pool.block_size

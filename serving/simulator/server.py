@@ -8,17 +8,21 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from routing.dialects import ChatInputs, RenderError, anthropic_chat_request, chat_inputs
+from routing.tokenize import rejects_inline_system, template_traits
 
 from .engine import Engine, RemotePrefillError, Request
 from .tokenizer import ModelTokenizer
 
 log = logging.getLogger(__name__)
 VLLM_VERSION = "0.32.0"
+NAMED_TOOL_USAGE = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
 
 
 @dataclass
@@ -28,6 +32,10 @@ class ServedModel:
     max_model_len: int
     prompt_tokens_details: bool
     kv_events_config: dict | None
+    # The tool-call parser when auto tool choice is on (vLLM loads none without --enable-auto-tool-choice).
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    exclude_tools_when_tool_choice_none: bool = False
 
 
 class ApiError(Exception):
@@ -40,13 +48,157 @@ class ApiError(Exception):
             "error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}
         }
 
+    def anthropic_body(self) -> dict:
+        """The error as vLLM's /v1/messages answers it (translate_error_response)."""
+        return {"type": "error", "error": {"type": self.kind, "message": self.message}}
+
 
 def _bad_param(message: str, param: str, value) -> ApiError:
     return ApiError(400, f"{message} (parameter={param}, value={value})", param=param)
 
 
+def _invalid(message: str, param: str) -> ApiError:
+    """A request field refused by vLLM's request model (its VLLMValidationError)."""
+    return ApiError(400, f"{message} (parameter={param})", param=param)
+
+
 def _dumps(obj) -> str:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+
+
+def _json_response(body: dict, status: int = 200) -> web.Response:
+    return web.json_response(body, status=status, dumps=_dumps)
+
+
+# --- tool calls -------------------------------------------------------------------------------------------
+# With a tool-call parser the simulator calls a tool by a fixed rule: tool_choice "required" or a named
+# function always (the named one, else the first tool); "auto" when the conversation ends with a user message
+# (not a tool result); never with "none". The call's arguments are built from the tool's JSON schema, and its
+# output tokens are the text the chat template renders for such a call, then the end-of-sequence token.
+
+
+def _named_tool(choice) -> str | None:
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        if isinstance(function, dict) and isinstance(function.get("name"), str):
+            return function["name"]
+    return None
+
+
+def example_arguments(schema) -> dict:
+    """A deterministic arguments object for a tool's parameter schema: its required properties, each with a
+    simple value of its type (an enum's first value, a const, an array's least number of items)."""
+    value = _example(schema if isinstance(schema, dict) else {}, schema, 0)
+    return value if isinstance(value, dict) else {}
+
+
+def _example(schema: dict, root, depth: int):
+    if not isinstance(schema, dict) or depth > 16:
+        return None
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#/") and isinstance(root, dict):
+        target = root
+        for part in ref[2:].split("/"):
+            target = target.get(part) if isinstance(target, dict) else None
+        return _example(target, root, depth + 1) if isinstance(target, dict) else None
+    if "const" in schema:
+        return schema["const"]
+    if isinstance(schema.get("enum"), list) and schema["enum"]:
+        return schema["enum"][0]
+    for key in ("anyOf", "oneOf", "allOf"):
+        options = schema.get(key)
+        if isinstance(options, list) and options:
+            return _example(options[0], root, depth + 1)
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        kind = next((k for k in kind if k != "null"), "null")
+    if kind is None:
+        kind = "object" if "properties" in schema else "array" if "items" in schema else None
+    if kind == "object":
+        properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        required = schema.get("required") if isinstance(schema.get("required"), list) else []
+        return {
+            name: _example(properties.get(name, {}), root, depth + 1)
+            for name in required
+            if isinstance(name, str)
+        }
+    if kind == "array":
+        count = schema.get("minItems") if isinstance(schema.get("minItems"), int) else 0
+        return [_example(schema.get("items", {}), root, depth + 1) for _ in range(count)]
+    if kind == "string":
+        return "example"
+    if kind in ("integer", "number"):
+        low = schema.get("minimum")
+        return low if isinstance(low, int | float) and not isinstance(low, bool) else 0
+    if kind == "boolean":
+        return False
+    return None
+
+
+@dataclass
+class ToolCall:
+    """One tool call the simulator makes: what it returns, and the tokens that generate it."""
+
+    name: str
+    arguments: str  # JSON, as vLLM returns it (json.dumps of the parsed arguments)
+    text: str  # what the model writes for the call, as the chat template renders it
+    ids: list[int]  # its tokens, then the end-of-sequence token
+    ends: list[int]  # for each token, where its text ends in `text`
+    named: bool  # tool_choice named the function (vLLM then finishes with "stop", not "tool_calls")
+    forced: bool  # tool_choice named or "required" (vLLM then gives content "", not null)
+    id: str = field(default_factory=lambda: f"chatcmpl-tool-{uuid.uuid4().hex[:16]}")
+
+    def message_entry(self) -> dict:
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+class ToolCallStream:
+    """The tool-call deltas of a call streamed token by token, as vLLM's Hermes parser streams one: the call's
+    id and name once the name is complete, then its arguments as the text that holds them arrives."""
+
+    def __init__(self, call: ToolCall):
+        self.call = call
+        text = call.text
+        self.name_end = 0  # where the name is complete in the call's text (not found: at once)
+        for name in (json.dumps(call.name, ensure_ascii=False), call.name):
+            at = text.find(name)
+            if at >= 0:
+                self.name_end = at + len(name)
+                break
+        self.args_start = text.find(call.arguments, self.name_end)
+        self.named = False
+        self.sent = 0
+
+    def step(self, produced: int) -> list[dict]:
+        """The deltas due once `produced` tokens of the call are out."""
+        call = self.call
+        at = call.ends[min(produced, len(call.ends)) - 1] if produced else 0
+        deltas = []
+        if not self.named and at >= self.name_end and produced:
+            self.named = True
+            deltas.append({"id": call.id, "type": "function", "index": 0, "function": {"name": call.name}})
+        if not self.named:
+            return deltas
+        if self.args_start >= 0:
+            visible = max(0, min(at, self.args_start + len(call.arguments)) - self.args_start)
+        else:  # the template writes the arguments otherwise: spread them over the call's text
+            visible = len(call.arguments) * at // max(1, len(call.text))
+        if visible > self.sent:
+            deltas.append({"index": 0, "function": {"arguments": call.arguments[self.sent : visible]}})
+            self.sent = visible
+        return deltas
+
+
+@dataclass
+class ChatPrompt:
+    ids: list[int]
+    tools: list[dict] | None
+    kwargs: dict
+    last_role: str | None
 
 
 class SimulatorApp:
@@ -58,7 +210,11 @@ class SimulatorApp:
             f"vllm-{VLLM_VERSION}-" + hashlib.sha256(_dumps(model.__dict__).encode()).hexdigest()[:8]
         )
         self._text: dict[int, str] = {}
-        self._rendered: OrderedDict[str, list[int]] = OrderedDict()
+        self._rendered: OrderedDict[str, ChatPrompt] = OrderedDict()
+        self._calls: OrderedDict[str, tuple[str, list[int], list[int]]] = OrderedDict()
+        template = tokenizer.chat_template
+        self.traits = template_traits(template)
+        self.merge_inline_system = rejects_inline_system(template)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=256 * 1024 * 1024)
@@ -75,6 +231,7 @@ class SimulatorApp:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/messages", self.messages)
+        app.router.add_post("/v1/messages/count_tokens", self.count_tokens)
         return app
 
     # --- small routes ---------------------------------------------------------------------------------
@@ -138,13 +295,7 @@ class SimulatorApp:
             body = await self._json(request)
             self._check_model(body)
             if "messages" in body:
-                ids = self.tokenizer.render_chat(
-                    body["messages"],
-                    add_generation_prompt=body.get("add_generation_prompt", True),
-                    continue_final_message=body.get("continue_final_message", False),
-                    tools=body.get("tools"),
-                    chat_template_kwargs=body.get("chat_template_kwargs"),
-                )
+                ids = self._chat_prompt(body).ids
             elif isinstance(body.get("prompt"), str):
                 ids = self.tokenizer.encode(
                     body["prompt"], add_special_tokens=body.get("add_special_tokens", True)
@@ -152,9 +303,9 @@ class SimulatorApp:
             else:
                 raise ApiError(400, "Give either `prompt` (a string) or `messages`.")
         except ApiError as exc:
-            return web.json_response(exc.body(), status=exc.status)
+            return _json_response(exc.body(), exc.status)
         strs = self.tokenizer.token_strs(ids) if body.get("return_token_strs") else None
-        return web.json_response(
+        return _json_response(
             {"count": len(ids), "max_model_len": self.model.max_model_len, "tokens": ids, "token_strs": strs}
         )
 
@@ -165,7 +316,7 @@ class SimulatorApp:
             if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
                 raise ApiError(400, "`tokens` must be a list of token ids.", param="tokens")
         except ApiError as exc:
-            return web.json_response(exc.body(), status=exc.status)
+            return _json_response(exc.body(), exc.status)
         return web.json_response({"prompt": self.tokenizer.decode(tokens)})
 
     # --- generation -------------------------------------------------------------------------------------
@@ -176,13 +327,22 @@ class SimulatorApp:
         return await self._generate(request, chat=True)
 
     async def _generate(self, http: web.Request, *, chat: bool) -> web.StreamResponse:
+        call = None
         try:
             body = await self._json(http)
             model = self._check_model(body)
-            prompt_ids = self._prompt_ids(body, chat)
+            if chat:
+                choice = _tool_choice(body)
+                self._check_tool_parser(choice)
+                prompt = self._chat_prompt(body, choice)
+                prompt_ids = prompt.ids
+                self._check_length(prompt_ids)
+                call = self._plan_tool_call(prompt, choice)
+            else:
+                prompt_ids = self._completion_prompt_ids(body)
             max_tokens = self._max_tokens(body, chat, len(prompt_ids))
         except ApiError as exc:
-            return web.json_response(exc.body(), status=exc.status)
+            return _json_response(exc.body(), exc.status)
         external = http.headers.get("X-Request-Id") or body.get("request_id") or uuid.uuid4().hex[:16]
         response_id = f"{'chatcmpl' if chat else 'cmpl'}-{external}"
         req = Request(
@@ -191,36 +351,48 @@ class SimulatorApp:
             max_tokens=max_tokens,
             seed=body.get("seed"),
             kv_transfer_params=body.get("kv_transfer_params"),
+            output_script=call.ids if call else None,
         )
         created = int(time.time())
         stream_options = body.get("stream_options") or {}
         if body.get("stream"):
-            return await self._stream(http, req, chat, model, response_id, created, stream_options)
-        return await self._complete(req, chat, model, response_id, created)
+            return await self._stream(http, req, chat, model, response_id, created, stream_options, call)
+        return await self._complete(req, chat, model, response_id, created, call)
 
     async def _complete(
-        self, req: Request, chat: bool, model: str, response_id: str, created: int
+        self, req: Request, chat: bool, model: str, response_id: str, created: int, call: ToolCall | None
     ) -> web.Response:
         try:
             async for _ in self.engine.generate(req):
                 pass
         except RemotePrefillError as exc:
-            return web.json_response(ApiError(500, str(exc), "InternalServerError").body(), status=500)
+            return _json_response(ApiError(500, str(exc), "InternalServerError").body(), 500)
         text = self._detok(req.output_ids)
         if chat:
+            message = {
+                "role": "assistant",
+                "content": text,
+                "refusal": None,
+                "annotations": None,
+                "audio": None,
+                "function_call": None,
+                "reasoning": None,
+            }
+            finish_reason = req.finish_reason
+            if call is not None and req.finish_reason == "stop":
+                # A whole call: vLLM parses it out of the text (a cut one stays text, finishing "length").
+                message = {
+                    **{k: v for k, v in message.items() if k != "reasoning"},
+                    "content": "" if call.forced else None,
+                    "tool_calls": [call.message_entry()],
+                    "reasoning": None,
+                }
+                finish_reason = "stop" if call.named else "tool_calls"
             choice = {
                 "index": 0,
-                "message": {
-                    "role": "assistant",
-                    "content": text,
-                    "refusal": None,
-                    "annotations": None,
-                    "audio": None,
-                    "function_call": None,
-                    "reasoning": None,
-                },
+                "message": message,
                 "logprobs": None,
-                "finish_reason": req.finish_reason,
+                "finish_reason": finish_reason,
                 "stop_reason": None,
                 "token_ids": None,
                 "routed_experts": None,
@@ -245,7 +417,7 @@ class SimulatorApp:
             "choices": [choice],
             "service_tier": None,
             "system_fingerprint": self.fingerprint,
-            "usage": self._usage(req, null_details=True),
+            "usage": self._usage(req, chat, null_details=True),
             "kv_transfer_params": req.kv_transfer_out,
             "ec_transfer_params": None,
             "metrics": None,
@@ -263,6 +435,7 @@ class SimulatorApp:
         response_id: str,
         created: int,
         stream_options: dict,
+        call: ToolCall | None,
     ) -> web.StreamResponse:
         include_usage = bool(stream_options.get("include_usage"))
         continuous = include_usage and bool(stream_options.get("continuous_usage_stats"))
@@ -286,6 +459,7 @@ class SimulatorApp:
             return f"data: {_dumps(data)}\n\n".encode()
 
         generator = self.engine.generate(req)
+        calls = ToolCallStream(call) if call is not None else None
         # With no decode time the tokens come all at once: one write instead of one per event keeps this
         # zero-latency upstream cheaper than any gateway measured in front of it.
         timing = self.engine.timing
@@ -304,23 +478,35 @@ class SimulatorApp:
                 # Sent with the first token, as vLLM sends it: from its first output, after the prefill.
                 pending.append(chunk(role, prompt_token_ids=None, prompt_text=None))
             produced = 0
+            last_at = req.output_limit
             async for token in generator:
                 produced += 1
-                last = produced == req.max_tokens
-                piece = self._detok([token])
-                if chat:
+                last = produced == last_at
+                finish = None
+                if last:
+                    finish = "stop" if req.stops else "length"
+                    if call is not None and finish == "stop" and not call.named:
+                        finish = "tool_calls"
+                if calls is not None:
+                    # The parser holds back what is not yet part of the call's name or arguments.
+                    deltas = calls.step(produced)
+                    if not deltas and not last:
+                        continue
+                    delta = {"content": None, "tool_calls": deltas} if deltas else {}
+                    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                elif chat:
                     choice = {
                         "index": 0,
-                        "delta": {"content": piece},
+                        "delta": {"content": self._detok([token])},
                         "logprobs": None,
-                        "finish_reason": "length" if last else None,
+                        "finish_reason": finish,
                     }
                 else:
                     choice = {
                         "index": 0,
-                        "text": piece,
+                        "text": self._detok([token]),
                         "logprobs": None,
-                        "finish_reason": "length" if last else None,
+                        "finish_reason": finish,
                         "stop_reason": None,
                         "prompt_token_ids": None,
                     }
@@ -334,7 +520,11 @@ class SimulatorApp:
                     pending.clear()
             if include_usage:
                 pending.append(
-                    chunk([], usage=self._usage(req, null_details=False), system_fingerprint=self.fingerprint)
+                    chunk(
+                        [],
+                        usage=self._usage(req, chat, null_details=False),
+                        system_fingerprint=self.fingerprint,
+                    )
                 )
             pending.append(b"data: [DONE]\n\n")
             await response.write(b"".join(pending))
@@ -349,31 +539,53 @@ class SimulatorApp:
 
     # --- Anthropic Messages API ---------------------------------------------------------------------------
     async def messages(self, http: web.Request) -> web.StreamResponse:
-        """The Anthropic Messages API over the same engine, in the event format vLLM's /v1/messages streams."""
+        """The Anthropic Messages API over the same engine, as vLLM's /v1/messages serves it: the request made a
+        chat-completions request, the answer and its events (and errors) in Anthropic's shapes."""
         try:
             body = await self._json(http)
-            model = self._check_model(body)
             if not isinstance(body.get("max_tokens"), int):
-                raise ApiError(400, "max_tokens: Field required", param="max_tokens")
-            chat = {"messages": _anthropic_to_chat(body), "max_tokens": body["max_tokens"]}
-            prompt_ids = self._prompt_ids(chat, True)
-            max_tokens = self._max_tokens(chat, True, len(prompt_ids))
+                # Refused by the request model, before the endpoint: in vLLM's plain error shape.
+                error = ApiError(400, "max_tokens: Field required", "Bad Request", "body.max_tokens")
+                return _json_response(error.body(), 400)
         except ApiError as exc:
-            return web.json_response(exc.body(), status=exc.status)
+            return _json_response(exc.body(), exc.status)
+        try:
+            model, chat, choice, prompt = self._anthropic_prompt(body)
+            chat["max_tokens"] = chat["max_completion_tokens"] = body["max_tokens"]
+            self._check_length(prompt.ids)
+            call = self._plan_tool_call(prompt, choice)
+            max_tokens = self._max_tokens(chat, True, len(prompt.ids))
+        except ApiError as exc:
+            return _json_response(exc.anthropic_body(), exc.status)
         message_id = f"chatcmpl-{http.headers.get('X-Request-Id') or uuid.uuid4().hex[:16]}"
-        req = Request(request_id=message_id, prompt_ids=prompt_ids, max_tokens=max_tokens)
+        req = Request(
+            request_id=message_id,
+            prompt_ids=prompt.ids,
+            max_tokens=max_tokens,
+            output_script=call.ids if call else None,
+        )
         if not body.get("stream"):
             async for _ in self.engine.generate(req):
                 pass
+            if call is not None and req.stops:
+                content = [
+                    {
+                        "type": "tool_use",
+                        "id": call.id,
+                        "name": call.name,
+                        "input": json.loads(call.arguments),
+                    }
+                ]
+            else:
+                content = [{"type": "text", "text": self._detok(req.output_ids)}]
             return web.json_response(
                 {
                     "id": message_id,
                     "type": "message",
                     "role": "assistant",
-                    "content": [{"type": "text", "text": self._detok(req.output_ids)}],
+                    "content": content,
                     "model": model,
-                    "stop_reason": "max_tokens",
-                    "stop_sequence": None,
+                    "stop_reason": _anthropic_stop_reason(req, call),
                     "usage": self._anthropic_usage(req),
                 },
                 dumps=_dumps,
@@ -385,6 +597,7 @@ class SimulatorApp:
             await response.write(f"event: {name}\ndata: {_dumps(data)}\n\n".encode())
 
         generator = self.engine.generate(req)
+        calls = ToolCallStream(call) if call is not None else None
         try:
             await event(
                 "message_start",
@@ -398,28 +611,50 @@ class SimulatorApp:
                         "model": model,
                         "stop_reason": None,
                         "stop_sequence": None,
-                        "usage": {"input_tokens": len(prompt_ids), "output_tokens": 0},
+                        "usage": {"input_tokens": len(prompt.ids), "output_tokens": 0},
                     },
                 },
             )
             started = False
+            produced = 0
             async for token in generator:
+                produced += 1
+                if calls is not None:
+                    for delta in calls.step(produced):
+                        if "id" in delta:
+                            started = True
+                            block = {"type": "tool_use", "id": call.id, "name": call.name, "input": {}}
+                            await event(
+                                "content_block_start",
+                                {"type": "content_block_start", "content_block": block, "index": 0},
+                            )
+                        else:
+                            partial = delta["function"]["arguments"]
+                            await event(
+                                "content_block_delta",
+                                {
+                                    "type": "content_block_delta",
+                                    "delta": {"type": "input_json_delta", "partial_json": partial},
+                                    "index": 0,
+                                },
+                            )
+                    continue
                 if not started:
                     started = True
                     await event(
                         "content_block_start",
                         {
                             "type": "content_block_start",
-                            "index": 0,
                             "content_block": {"type": "text", "text": ""},
+                            "index": 0,
                         },
                     )
                 await event(
                     "content_block_delta",
                     {
                         "type": "content_block_delta",
-                        "index": 0,
                         "delta": {"type": "text_delta", "text": self._detok([token])},
+                        "index": 0,
                     },
                 )
             if started:
@@ -428,7 +663,7 @@ class SimulatorApp:
                 "message_delta",
                 {
                     "type": "message_delta",
-                    "delta": {"stop_reason": "max_tokens", "stop_sequence": None},
+                    "delta": {"stop_reason": _anthropic_stop_reason(req, call), "stop_sequence": None},
                     "usage": self._anthropic_usage(req),
                 },
             )
@@ -437,17 +672,147 @@ class SimulatorApp:
             await generator.aclose()
         return response
 
+    async def count_tokens(self, http: web.Request) -> web.Response:
+        """Anthropic's token counting: the prompt the same request would have, refused as it would be."""
+        try:
+            body = await self._json(http)
+        except ApiError as exc:
+            return _json_response(exc.body(), exc.status)
+        try:
+            _, _, choice, prompt = self._anthropic_prompt(body)
+            self._plan_tool_call(prompt, choice)  # a named tool that is not there is refused here too
+        except ApiError as exc:
+            return _json_response(exc.anthropic_body(), exc.status)
+        count = len(prompt.ids)
+        return _json_response({"input_tokens": count, "context_management": {"original_input_tokens": count}})
+
+    def _anthropic_prompt(self, body: dict) -> tuple[str, dict, object, ChatPrompt]:
+        """An Anthropic request as vLLM takes it: its model, the chat-completions request it becomes, that
+        request's tool_choice and its rendered prompt."""
+        model = self._check_model(body)
+        try:
+            chat = anthropic_chat_request(body, merge_inline_system=self.merge_inline_system)
+        except RenderError as exc:
+            raise ApiError(400, str(exc), param=exc.param) from exc
+        choice = chat.get("tool_choice")
+        self._check_tool_parser(choice)
+        return model, chat, choice, self._chat_prompt(chat, choice)
+
     def _anthropic_usage(self, req: Request) -> dict:
+        """vLLM's: the prompt split into uncached input, cache writes and cache reads (the latter two with
+        --enable-prompt-tokens-details only)."""
         usage = {"input_tokens": len(req.prompt_ids), "output_tokens": len(req.output_ids)}
         if self.model.prompt_tokens_details:
-            usage["input_tokens"] -= req.cached_tokens
+            usage["input_tokens"] -= req.cached_tokens + req.created_cache_tokens
+            usage["cache_creation_input_tokens"] = req.created_cache_tokens
             usage["cache_read_input_tokens"] = req.cached_tokens
         return usage
 
+    # --- tools --------------------------------------------------------------------------------------------
+    def _check_tool_parser(self, choice) -> None:
+        """vLLM's refusal of a tool choice that needs a tool-call parser when the engine has none."""
+        if self.model.tool_call_parser is not None or choice in (None, "none"):
+            return
+        if choice == "auto":
+            raise ApiError(
+                400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+            )
+        name = _named_tool(choice)
+        described = f'function "{name}"' if name is not None else f'"{choice}"'
+        raise ApiError(400, f"tool_choice={described} requires --tool-call-parser to be set")
+
+    def _plan_tool_call(self, prompt: ChatPrompt, choice) -> ToolCall | None:
+        """The tool call this request gets, if any (see the rule at the top of this module)."""
+        if self.model.tool_call_parser is None or not prompt.tools:
+            return None
+        tools = [tool.get("function") or {} for tool in prompt.tools]
+        named = _named_tool(choice)
+        if named is not None:
+            function = next((f for f in tools if f.get("name") == named), None)
+            if function is None:
+                raise ApiError(400, f"The tool with name '{named}' is not found in the tools list.")
+        elif choice == "required" or (choice == "auto" and prompt.last_role == "user"):
+            function = tools[0]
+        else:
+            return None
+        arguments = example_arguments(function.get("parameters"))
+        text, ids, ends = self._call_tokens(function["name"], arguments, prompt)
+        return ToolCall(
+            name=function["name"],
+            arguments=json.dumps(arguments, ensure_ascii=False),
+            text=text,
+            ids=ids,
+            ends=ends,
+            named=named is not None,
+            forced=named is not None or choice == "required",
+        )
+
+    def _call_tokens(
+        self, name: str, arguments: dict, prompt: ChatPrompt
+    ) -> tuple[str, list[int], list[int]]:
+        """The text the template renders for an assistant turn that makes this call (up to its end-of-turn
+        token), its token ids with the end-of-sequence token after them, and where each token's text ends."""
+        key = _dumps([name, arguments, prompt.kwargs, prompt.tools])
+        cached = self._calls.get(key)
+        if cached is not None:
+            self._calls.move_to_end(key)
+            return cached
+        text = self._rendered_call(name, arguments, prompt)
+        ids, ends = self.tokenizer.encode_with_ends(text)
+        eos = self.tokenizer.eos_token_id
+        if eos is not None:
+            ids, ends = [*ids, eos], [*ends, len(text)]
+        self._calls[key] = (text, ids, ends)
+        if len(self._calls) > 1024:
+            self._calls.popitem(last=False)
+        return text, ids, ends
+
+    def _rendered_call(self, name: str, arguments: dict, prompt: ChatPrompt) -> str:
+        call = {
+            "id": "call_0",
+            "type": "function",
+            "function": {"name": name, "arguments": json.dumps(arguments)},
+        }
+        kwargs = {**prompt.kwargs, "add_generation_prompt": False, "continue_final_message": False}
+        try:
+            probe = chat_inputs(
+                {
+                    "messages": [
+                        {"role": "user", "content": "."},
+                        {"role": "assistant", "content": None, "tool_calls": [call]},
+                    ]
+                },
+                self.traits,
+            )
+            user, turn = probe.messages
+
+            def render(messages: list[dict], generation_prompt: bool) -> str:
+                options = {**kwargs, "add_generation_prompt": generation_prompt}
+                return self.tokenizer.render_text(ChatInputs(messages, prompt.tools, options))
+
+            base = render([user], False)
+            full = render([user, turn], False)
+            opening = render([user], True)
+        except Exception:  # a template that cannot render the probe: write the call the Hermes way
+            log.debug("the chat template could not render a tool call", exc_info=True)
+            full = base = opening = ""
+        if not full.startswith(base) or full == base:
+            return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n</tool_call>"
+        turn_text = full[len(base) :]
+        generation = opening[len(base) :] if opening.startswith(base) else ""
+        same = 0
+        while same < min(len(turn_text), len(generation)) and turn_text[same] == generation[same]:
+            same += 1
+        text = turn_text[same:]
+        eos = self.tokenizer.eos_token
+        if eos and eos in text:
+            text = text[: text.index(eos)]
+        return text
+
     # --- helpers ----------------------------------------------------------------------------------------
-    def _usage(self, req: Request, *, null_details: bool) -> dict:
+    def _usage(self, req: Request, chat: bool, *, null_details: bool) -> dict:
         """Usage as vLLM reports it; without --enable-prompt-tokens-details the details are null (full
-        responses) or absent (stream chunks)."""
+        responses) or absent (stream chunks). Chat usage also counts the prompt tokens written to the cache."""
         prompt = len(req.prompt_ids)
         usage = {
             "prompt_tokens": prompt,
@@ -455,9 +820,14 @@ class SimulatorApp:
             "completion_tokens": len(req.output_ids),
         }
         if self.model.prompt_tokens_details:
-            usage["prompt_tokens_details"] = {"cached_tokens": req.cached_tokens}
+            details: dict = {"cached_tokens": req.cached_tokens}
+            if chat:
+                details["created_cache_tokens"] = req.created_cache_tokens
+            elif null_details:
+                details["created_cache_tokens"] = None
             if null_details:
-                usage["prompt_tokens_details"].update(created_cache_tokens=None, multimodal_tokens=None)
+                details["multimodal_tokens"] = None
+            usage["prompt_tokens_details"] = details
         elif null_details:
             usage["prompt_tokens_details"] = None
         if null_details:
@@ -502,59 +872,59 @@ class SimulatorApp:
             )
         return model or self.model.names[0]
 
-    def _render_cached(self, messages: list, body: dict) -> list[int]:
-        """Chat rendering and tokenisation, cached by the request's exact chat inputs (agents and benchmarks
-        resend the same context over and over)."""
-        options = {
-            k: body.get(k)
-            for k in ("add_generation_prompt", "continue_final_message", "tools", "chat_template_kwargs")
-        }
-        key = _dumps([messages, options])
-        ids = self._rendered.get(key)
-        if ids is not None:
+    def _chat_prompt(self, body: dict, choice=None) -> ChatPrompt:
+        """A chat request's prompt token ids and what its template saw, rendered from the request's chat inputs
+        (routing.dialects.chat_inputs, the router's own conversion) and cached by them: agents and benchmarks
+        resend the same context over and over."""
+        exclude_tools = self.model.exclude_tools_when_tool_choice_none and choice == "none"
+        fields = ("messages", "tools", "add_generation_prompt", "continue_final_message")
+        more = ("chat_template_kwargs", "reasoning_effort")
+        key = _dumps([[body.get(k) for k in fields], [body.get(k) for k in more], exclude_tools])
+        prompt = self._rendered.get(key)
+        if prompt is not None:
             self._rendered.move_to_end(key)
-            return ids
+            return prompt
         try:
-            ids = self.tokenizer.render_chat(
-                messages,
-                add_generation_prompt=body.get("add_generation_prompt", True),
-                continue_final_message=body.get("continue_final_message", False),
-                tools=body.get("tools"),
-                chat_template_kwargs=body.get("chat_template_kwargs"),
-            )
+            inputs = chat_inputs(body, self.traits)
+        except RenderError as exc:
+            raise ApiError(400, str(exc), param=exc.param) from exc
+        if exclude_tools:
+            inputs.tools = None
+        try:
+            ids = self.tokenizer.render_chat(inputs)
         except Exception as exc:  # a template error is the client's message shape
             raise ApiError(400, f"The messages could not be rendered with the chat template: {exc}") from exc
-        self._rendered[key] = ids
+        last_role = inputs.messages[-1].get("role") if inputs.messages else None
+        prompt = ChatPrompt(ids, inputs.tools, inputs.kwargs, last_role)
+        self._rendered[key] = prompt
         if len(self._rendered) > 4096:
             self._rendered.popitem(last=False)
+        return prompt
+
+    def _completion_prompt_ids(self, body: dict) -> list[int]:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=body.get("add_special_tokens", True))
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            ids = list(prompt)
+            vocab = self.tokenizer.vocab_size
+            if any(t < 0 or t >= vocab for t in ids):
+                raise ApiError(
+                    400, f"Token id out of vocabulary: ids must lie in [0, {vocab}).", param="prompt"
+                )
+        else:
+            raise ApiError(
+                400,
+                "`prompt` must be a string or a list of token ids (one prompt per request).",
+                param="prompt",
+            )
+        self._check_length(ids)
         return ids
 
-    def _prompt_ids(self, body: dict, chat: bool) -> list[int]:
+    def _check_length(self, ids: list[int]) -> None:
         limit = self.model.max_model_len
-        if chat:
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise ApiError(400, "`messages` must be a non-empty list.", param="messages")
-            ids = self._render_cached(messages, body)
-        else:
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-                prompt = prompt[0]
-            if isinstance(prompt, str):
-                ids = self.tokenizer.encode(prompt, add_special_tokens=body.get("add_special_tokens", True))
-            elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-                ids = list(prompt)
-                vocab = self.tokenizer.vocab_size
-                if any(t < 0 or t >= vocab for t in ids):
-                    raise ApiError(
-                        400, f"Token id out of vocabulary: ids must lie in [0, {vocab}).", param="prompt"
-                    )
-            else:
-                raise ApiError(
-                    400,
-                    "`prompt` must be a string or a list of token ids (one prompt per request).",
-                    param="prompt",
-                )
         if len(ids) > limit:
             raise _bad_param(
                 f"This model's maximum context length is {limit} tokens. However, your prompt contains {len(ids)} "
@@ -570,7 +940,6 @@ class SimulatorApp:
                 f"is longer than the maximum model length of {limit}. Make sure that `max_model_len` is no smaller "
                 "than the number of text tokens (prompt + requested output tokens).",
             )
-        return ids
 
     def _max_tokens(self, body: dict, chat: bool, prompt_len: int) -> int:
         limit = self.model.max_model_len
@@ -591,6 +960,62 @@ class SimulatorApp:
                 value,
             )
         return min(value, limit - prompt_len)
+
+
+def _tool_choice(body: dict):
+    """A chat request's tool_choice after vLLM's request checks (ChatCompletionRequest.check_tool_usage):
+    "auto" when tools come without one, refusals in its words."""
+    tools = body.get("tools")
+    if tools == []:
+        raise _invalid(
+            "`tools` must not be an empty array. Either provide at least one tool or omit the field entirely.",
+            "tools",
+        )
+    if "tool_choice" not in body:
+        return "auto" if tools else "none"
+    choice = body["tool_choice"]
+    if choice is None or choice == "none":
+        return choice
+    if tools is None:
+        raise _invalid("When using `tool_choice`, `tools` must be set.", "tool_choice")
+    if choice not in ("auto", "required") and not isinstance(choice, dict):
+        raise _invalid(
+            f'Invalid value for `tool_choice`: {choice}! Only named tools, "none", "auto" or "required" '
+            "are supported.",
+            "tool_choice",
+        )
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        if not isinstance(function, dict):
+            raise _invalid(
+                f"Invalid value for `function`: `{function}` in `tool_choice`! {NAMED_TOOL_USAGE}",
+                "tool_choice.function",
+            )
+        if "name" not in function:
+            raise _invalid(
+                f"Expected field `name` in `function` in `tool_choice`! {NAMED_TOOL_USAGE}",
+                "tool_choice.function.name",
+            )
+        name = function["name"]
+        if not isinstance(name, str) or not name:
+            raise _invalid(
+                f"Invalid `name` in `function`: `{name}` in `tool_choice`! {NAMED_TOOL_USAGE}",
+                "tool_choice.function.name",
+            )
+        tools = tools if isinstance(tools, list) else []
+        names = [(tool.get("function") or {}).get("name") for tool in tools if isinstance(tool, dict)]
+        if name not in names:
+            raise _invalid(
+                "The tool specified in `tool_choice` does not match any of the specified `tools`",
+                "tool_choice",
+            )
+    return choice
+
+
+def _anthropic_stop_reason(req: Request, call: ToolCall | None) -> str:
+    if not req.stops:
+        return "max_tokens"
+    return "tool_use" if call is not None else "end_turn"
 
 
 class SideChannel:
@@ -635,31 +1060,3 @@ def remote_puller(session_factory):
             ) from exc
 
     return pull
-
-
-def _anthropic_to_chat(body: dict) -> list[dict]:
-    """Anthropic system and messages as chat messages (text blocks joined; other blocks as their JSON)."""
-
-    def text_of(content) -> str:
-        if isinstance(content, str):
-            return content
-        if isinstance(content, list):
-            parts = []
-            for block in content:
-                if isinstance(block, dict) and block.get("type") == "text":
-                    parts.append(block.get("text", ""))
-                elif isinstance(block, dict) and block.get("type") == "tool_result":
-                    parts.append(text_of(block.get("content", "")))
-                else:
-                    parts.append(_dumps(block))
-            return "\n".join(parts)
-        raise ApiError(400, "Message content must be a string or a list of content blocks.", param="messages")
-
-    messages = []
-    if body.get("system"):
-        messages.append({"role": "system", "content": text_of(body["system"])})
-    for message in body.get("messages") or []:
-        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
-            raise ApiError(400, "Each message needs a role of user or assistant.", param="messages")
-        messages.append({"role": message["role"], "content": text_of(message.get("content", ""))})
-    return messages

@@ -6,42 +6,85 @@ import logging
 import os
 from functools import cached_property
 
+from routing.dialects import ChatInputs
+
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
+# apply_chat_template's own parameters: a template variable of one of these names (from a request's
+# chat_template_kwargs) would change how transformers renders instead of reaching the template.
+_RESERVED = frozenset(
+    {
+        "conversation",
+        "tools",
+        "documents",
+        "chat_template",
+        "tokenize",
+        "sanitize_control_tokens",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+
 
 class ModelTokenizer:
-    def __init__(self, path: str):
+    def __init__(self, path: str, chat_template: str | None = None):
+        """`chat_template`: the text of a template that replaces the model's own (--chat-template)."""
         from transformers import AutoTokenizer
 
         self._tok = AutoTokenizer.from_pretrained(path)
+        self._override = chat_template
 
     @property
     def vocab_size(self) -> int:
         return len(self._tok)
 
+    @property
+    def eos_token(self) -> str | None:
+        return self._tok.eos_token
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._tok.eos_token_id
+
+    @cached_property
+    def chat_template(self) -> str | None:
+        """The template text chats are rendered with: the override, else the model's (its default one when the
+        model names several)."""
+        if self._override is not None:
+            return self._override
+        template = self._tok.chat_template
+        if isinstance(template, dict):
+            template = template.get("default") or next(iter(template.values()), None)
+        return template
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens)
 
-    def render_chat(
-        self,
-        messages: list[dict],
-        *,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        tools: list | None = None,
-        chat_template_kwargs: dict | None = None,
-    ) -> list[int]:
-        rendered = self._tok.apply_chat_template(
-            messages,
-            tools=tools,
-            add_generation_prompt=add_generation_prompt and not continue_final_message,
-            continue_final_message=continue_final_message,
+    def encode_with_ends(self, text: str) -> tuple[list[int], list[int]]:
+        """Token ids of `text` (no special tokens added) and, for each, where its text ends in `text`."""
+        encoding = self._tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        return list(encoding["input_ids"]), [end for _, end in encoding["offset_mapping"]]
+
+    def render_text(self, inputs: ChatInputs) -> str:
+        """The chat as the template renders it (transformers' apply_chat_template, as vLLM's renderer calls it)."""
+        kwargs = {k: v for k, v in inputs.kwargs.items() if k not in _RESERVED}
+        return self._tok.apply_chat_template(
+            inputs.messages,
+            tools=inputs.tools,
+            chat_template=self._override,
             tokenize=False,
-            **(chat_template_kwargs or {}),
+            **kwargs,
         )
+
+    def render_chat(self, inputs: ChatInputs) -> list[int]:
         # vLLM tokenizes the rendered text without adding special tokens again.
-        return self._tok.encode(rendered, add_special_tokens=False)
+        return self._tok.encode(self.render_text(inputs), add_special_tokens=False)
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)

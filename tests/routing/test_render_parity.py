@@ -43,7 +43,15 @@ def test_the_router_renders_each_agent_shape_as_vllm_does(vllm_engine, tokenizer
     "case", [c for c in OPENAI_CASES if "tool_choice" not in c.payload], ids=lambda case: case.name
 )
 def test_chat_shapes_tokenise_as_vllms_tokenize_endpoint(vllm_engine, tokenizer, case):
-    body = {"model": MODEL_NAME, **{k: v for k, v in case.payload.items() if k != "parallel_tool_calls"}}
+    body = {
+        "model": MODEL_NAME,
+        **{k: v for k, v in copy.deepcopy(case.payload).items() if k != "parallel_tool_calls"},
+    }
+    # vLLM's chat endpoint (and its renderer) reads the deprecated `reasoning_content` as `reasoning`; its
+    # /tokenize request model does not, so the rename is done here to ask /tokenize what generation sees.
+    for message in body["messages"]:
+        if "reasoning_content" in message:
+            message.setdefault("reasoning", message.pop("reasoning_content"))
     reply = httpx.post(f"{vllm_engine.url}/tokenize", json=body, timeout=60)
     assert reply.status_code == 200, reply.text
     mine = list(tokenizer.encode_request(copy.deepcopy(case.payload), CHAT))

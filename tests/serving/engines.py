@@ -27,6 +27,10 @@ LOG_DIR = ROOT / ".local" / "test-engines"
 
 _vllm_cores = itertools.cycle(sorted(os.sched_getaffinity(0)))
 
+# Tool calling as the platform configures it for this model's family (Hermes-style tool calls): every test
+# engine has it unless started with tool_parser=False.
+TOOL_PARSER_FLAGS = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+
 
 @dataclass
 class RunningEngine:
@@ -79,7 +83,9 @@ class RunningEngine:
             pass
 
 
-def engine_flags(port: int, events_port: int | None, *, nixl_role: str | None = None) -> list[str]:
+def engine_flags(
+    port: int, events_port: int | None, *, nixl_role: str | None = None, tool_parser: bool = True
+) -> list[str]:
     flags = [
         "--model",
         str(MODEL_DIR),
@@ -100,6 +106,8 @@ def engine_flags(port: int, events_port: int | None, *, nixl_role: str | None = 
         "--load-format",
         "dummy",
     ]
+    if tool_parser:
+        flags += TOOL_PARSER_FLAGS
     if events_port is not None:
         config = {
             "enable_kv_cache_events": True,
@@ -120,20 +128,30 @@ def start_engine(
     events: bool = True,
     nixl_role: str | None = None,
     timeout: float = 400,
+    tool_parser: bool = True,
 ) -> RunningEngine:
     """Start an engine on fresh ports; again on others (up to three tries) when some other process took one
     of them between the choice and the engine's bind."""
-    (engine,) = start_engines(kind, [nixl_role], *extra, events=events, timeout=timeout)
+    (engine,) = start_engines(
+        kind, [nixl_role], *extra, events=events, timeout=timeout, tool_parser=tool_parser
+    )
     return engine
 
 
 def start_engines(
-    kind: str, nixl_roles: list[str | None], *extra: str, events: bool = True, timeout: float = 600
+    kind: str,
+    nixl_roles: list[str | None],
+    *extra: str,
+    events: bool = True,
+    timeout: float = 600,
+    tool_parser: bool = True,
 ) -> list[RunningEngine]:
     """Start one engine per entry of `nixl_roles` side by side (vLLM takes a minute to come up) and wait for
     all of them; one that lost a port to another process between the choice and its bind is started again on
     others (up to three tries each). On any other failure every engine started here is stopped."""
-    engines = [_launch(kind, extra, events=events, nixl_role=role) for role in nixl_roles]
+    engines = [
+        _launch(kind, extra, events=events, nixl_role=role, tool_parser=tool_parser) for role in nixl_roles
+    ]
     try:
         for index, role in enumerate(nixl_roles):
             for attempt in range(3):
@@ -144,7 +162,9 @@ def start_engines(
                     engines[index].stop()
                     if "address already in use" not in str(exc).lower() or attempt == 2:
                         raise
-                    engines[index] = _launch(kind, extra, events=events, nixl_role=role)
+                    engines[index] = _launch(
+                        kind, extra, events=events, nixl_role=role, tool_parser=tool_parser
+                    )
     except BaseException:
         for engine in engines:
             engine.stop()
@@ -152,7 +172,9 @@ def start_engines(
     return engines
 
 
-def _launch(kind: str, extra: tuple[str, ...], *, events: bool, nixl_role: str | None) -> RunningEngine:
+def _launch(
+    kind: str, extra: tuple[str, ...], *, events: bool, nixl_role: str | None, tool_parser: bool = True
+) -> RunningEngine:
     port = free_port()
     events_port = free_port() if events else None
     side_channel_port = free_port() if nixl_role else None
@@ -181,7 +203,7 @@ def _launch(kind: str, extra: tuple[str, ...], *, events: bool, nixl_role: str |
     log_path = LOG_DIR / f"{kind}-{port}.log"
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            [*argv, *engine_flags(port, events_port, nixl_role=nixl_role), *extra],
+            [*argv, *engine_flags(port, events_port, nixl_role=nixl_role, tool_parser=tool_parser), *extra],
             cwd=ROOT,
             env=env,
             stdout=log,

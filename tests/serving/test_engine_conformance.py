@@ -1,17 +1,24 @@
 """One set of checks run against the simulator and against real vLLM (CPU build, tiny dummy-weight model).
 
 What the router relies on must be the same on both: response shapes, streaming with usage, cached-token
-accounting, /tokenize counts, metric names, and KV events (shapes, order and block hashes).
+accounting, /tokenize counts, metric names, KV events (shapes, order and block hashes), and tool calling: the
+refusal without a tool-call parser, and with one (the shared engines have Hermes') the tool calls themselves, as
+the official OpenAI and Anthropic SDKs read them.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
+import anthropic
 import httpx
+import openai
 import pytest
 
-from .engines import MODEL_NAME, EventSubscriber, events_of
+from .engines import ENGINE_PYTHON, MODEL_DIR, MODEL_NAME, ROOT, EventSubscriber, events_of, start_engine
 
 # A prompt of token ids: three full 128-token blocks and a partial one.
 PROMPT_IDS = [(i * 7 + 11) % 3000 + 100 for i in range(3 * 128 + 40)]
@@ -244,13 +251,6 @@ def test_the_two_engines_hash_blocks_alike(sim_engine, vllm_engine):
     ],
 )
 def test_the_two_engines_answer_with_the_same_fields(sim_engine, vllm_engine, path, body):
-    def shape(value):
-        if isinstance(value, dict):
-            return {key: shape(item) for key, item in value.items()}
-        if isinstance(value, list):
-            return [shape(item) for item in value[:1]]
-        return type(value).__name__ if value is not None else None
-
     replies = [
         httpx.post(
             f"{e.url}{path}", json={"model": MODEL_NAME, "ignore_eos": True, **body}, timeout=60
@@ -261,3 +261,336 @@ def test_the_two_engines_answer_with_the_same_fields(sim_engine, vllm_engine, pa
     assert set(sim) == set(real)
     assert set(sim["choices"][0]) == set(real["choices"][0])
     assert set(sim["usage"]) == set(real["usage"])
+
+
+# --- tool calling -----------------------------------------------------------------------------------------
+# Real vLLM with random weights calls a tool only when tool_choice forces one: its grammar then writes the call,
+# with as much whitespace as the sampled tokens like between the JSON's tokens. One enum property and a single
+# call (parallel tool calls off) keep the call short (40 to 220 tokens seen); max_tokens leaves room to spare,
+# and a seed makes OpenAI requests repeatable (Anthropic's API has none).
+UNITS = ["celsius", "fahrenheit"]
+WEATHER_SCHEMA = {
+    "type": "object",
+    "properties": {"unit": {"type": "string", "enum": UNITS}},
+    "required": ["unit"],
+    "additionalProperties": False,
+}
+OPENAI_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather where the user is.",
+        "parameters": WEATHER_SCHEMA,
+        "strict": True,
+    },
+}
+ANTHROPIC_TOOL = {
+    "name": "get_weather",
+    "description": "The weather where the user is.",
+    "input_schema": WEATHER_SCHEMA,
+    "strict": True,
+}
+QUESTION = [{"role": "user", "content": "What is the weather like?"}]
+FORCED = {"max_tokens": 2000, "seed": 1, "parallel_tool_calls": False}
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+OPENAI_CHOICES = {"required": "required", "named": NAMED}
+ANTHROPIC_CHOICES = {
+    "any": {"type": "any", "disable_parallel_tool_use": True},
+    "tool": {"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
+}
+AUTO_REFUSAL = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+REQUIRED_REFUSAL = 'tool_choice="required" requires --tool-call-parser to be set'
+NAMED_REFUSAL = 'tool_choice=function "get_weather" requires --tool-call-parser to be set'
+# A finished tool conversation: the call, its result, and the question it answers.
+OPENAI_HISTORY = [
+    *QUESTION,
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"unit": "celsius"}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees and sunny"},
+]
+ANTHROPIC_HISTORY = [
+    *QUESTION,
+    {
+        "role": "assistant",
+        "content": [
+            {"type": "text", "text": "Let me look."},
+            {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"unit": "celsius"}},
+        ],
+    },
+    {
+        "role": "user",
+        "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "21 degrees and sunny"}],
+    },
+]
+
+
+def openai_sdk(engine) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{engine.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def anthropic_sdk(engine) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=engine.url, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(params=["sim", "vllm"])
+def engine_without_parser(request):
+    """An engine of each kind started without a tool-call parser; vLLM's, a minute of start-up, only for the one
+    test that needs it."""
+    engine = start_engine(request.param, events=False, tool_parser=False)
+    yield engine
+    engine.stop()
+
+
+def test_without_a_tool_parser_tools_are_refused_as_vllm_refuses_them(engine_without_parser):
+    engine = engine_without_parser
+    tools = {"tools": [OPENAI_TOOL]}
+    cases = [
+        ({}, AUTO_REFUSAL),  # tools without a tool_choice mean "auto"
+        ({"tool_choice": "auto", "stream": True}, AUTO_REFUSAL),
+        ({"tool_choice": "required"}, REQUIRED_REFUSAL),
+        ({"tool_choice": NAMED}, NAMED_REFUSAL),
+    ]
+    with engine.client() as client:
+        for extra, message in cases:
+            body = {"model": MODEL_NAME, "messages": QUESTION, "max_tokens": 2, **tools, **extra}
+            response = client.post("/v1/chat/completions", json=body)
+            assert response.status_code == 400, extra
+            assert response.json() == {
+                "error": {"message": message, "type": "BadRequestError", "param": None, "code": 400}
+            }, extra
+        none = {"model": MODEL_NAME, "messages": QUESTION, "max_tokens": 2, **tools, "tool_choice": "none"}
+        assert client.post("/v1/chat/completions", json=none).status_code == 200
+
+        anthropic_cases = [
+            ({}, AUTO_REFUSAL),
+            ({"stream": True}, AUTO_REFUSAL),
+            ({"tool_choice": {"type": "any"}}, REQUIRED_REFUSAL),
+            ({"tool_choice": {"type": "tool", "name": "get_weather"}}, NAMED_REFUSAL),
+        ]
+        for extra, message in anthropic_cases:
+            body = {
+                "model": MODEL_NAME,
+                "messages": QUESTION,
+                "max_tokens": 2,
+                "tools": [ANTHROPIC_TOOL],
+                **extra,
+            }
+            response = client.post("/v1/messages", json=body)
+            assert response.status_code == 400, extra
+            assert response.json() == {
+                "type": "error",
+                "error": {"type": "BadRequestError", "message": message},
+            }
+        counted = client.post(
+            "/v1/messages/count_tokens",
+            json={"model": MODEL_NAME, "messages": QUESTION, "tools": [ANTHROPIC_TOOL]},
+        )
+        assert counted.status_code == 400 and counted.json()["error"]["message"] == AUTO_REFUSAL
+
+    with pytest.raises(openai.BadRequestError) as caught:
+        openai_sdk(engine).chat.completions.create(
+            model=MODEL_NAME, messages=QUESTION, tools=[OPENAI_TOOL], max_tokens=2
+        )
+    assert caught.value.status_code == 400 and AUTO_REFUSAL in caught.value.message
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        anthropic_sdk(engine).messages.create(
+            model=MODEL_NAME, messages=QUESTION, tools=[ANTHROPIC_TOOL], max_tokens=2
+        )
+    assert caught.value.body["error"] == {"type": "BadRequestError", "message": AUTO_REFUSAL}
+
+
+@pytest.mark.parametrize("kind", ["sim", "vllm"])
+def test_auto_tool_choice_without_a_parser_fails_at_start_up(kind):
+    argv = (
+        [sys.executable, "-m", "serving.simulator"]
+        if kind == "sim"
+        else [str(ENGINE_PYTHON), "-m", "vllm.entrypoints.openai.api_server"]
+    )
+    ran = subprocess.run(
+        [*argv, "--model", str(MODEL_DIR), "--load-format", "dummy", "--enable-auto-tool-choice"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONHASHSEED": "0"},
+    )
+    assert ran.returncode == 1
+    last = ran.stderr.strip().splitlines()[-1]
+    assert last == "TypeError: Error: --enable-auto-tool-choice requires --tool-call-parser"
+
+
+@pytest.mark.parametrize("choice", OPENAI_CHOICES)
+def test_a_forced_tool_call_reaches_the_openai_sdk(engine, choice):
+    reply = openai_sdk(engine).chat.completions.create(
+        model=MODEL_NAME, messages=QUESTION, tools=[OPENAI_TOOL], tool_choice=OPENAI_CHOICES[choice], **FORCED
+    )
+    (answer,) = reply.choices
+    # As OpenAI's API: "tool_calls" when the model chose to call ("required"), "stop" for a named function.
+    assert answer.finish_reason == ("tool_calls" if choice == "required" else "stop")
+    assert answer.message.role == "assistant" and answer.message.content == ""
+    (call,) = answer.message.tool_calls
+    assert call.type == "function" and call.id.startswith("chatcmpl-tool-")
+    assert call.function.name == "get_weather"
+    arguments = json.loads(call.function.arguments)
+    assert isinstance(arguments, dict) and set(arguments) == {"unit"} and arguments["unit"] in UNITS
+    assert reply.id.startswith("chatcmpl-")
+    usage = reply.usage
+    assert (
+        usage.completion_tokens > 10 and usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    )
+
+
+@pytest.mark.parametrize("choice", OPENAI_CHOICES)
+def test_a_forced_tool_call_streams_to_the_openai_sdk(engine, choice):
+    stream = openai_sdk(engine).chat.completions.create(
+        model=MODEL_NAME,
+        messages=QUESTION,
+        tools=[OPENAI_TOOL],
+        tool_choice=OPENAI_CHOICES[choice],
+        stream=True,
+        stream_options={"include_usage": True},
+        **FORCED,
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    deltas = [call for chunk in chunks if chunk.choices for call in chunk.choices[0].delta.tool_calls or []]
+    first = deltas[0]
+    assert first.index == 0 and first.type == "function" and first.id.startswith("chatcmpl-tool-")
+    assert first.function.name == "get_weather"
+    assert all(d.index == 0 and d.id is None and d.function.name is None for d in deltas[1:])
+    arguments = json.loads("".join(d.function.arguments or "" for d in deltas))
+    assert isinstance(arguments, dict) and set(arguments) == {"unit"} and arguments["unit"] in UNITS
+    finishing = [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices]
+    assert finishing[-1] == ("tool_calls" if choice == "required" else "stop")
+    assert all(reason is None for reason in finishing[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 10
+
+
+@pytest.mark.parametrize("choice", ANTHROPIC_CHOICES)
+def test_a_forced_tool_call_reaches_the_anthropic_sdk(engine, choice):
+    client = anthropic_sdk(engine)
+    request = {"model": MODEL_NAME, "messages": QUESTION, "tools": [ANTHROPIC_TOOL]}
+    message = client.messages.create(max_tokens=2000, tool_choice=ANTHROPIC_CHOICES[choice], **request)
+    assert message.type == "message" and message.role == "assistant" and message.id.startswith("chatcmpl-")
+    assert message.stop_reason == "tool_use" and message.stop_sequence is None
+    (block,) = message.content
+    assert block.type == "tool_use" and block.name == "get_weather" and block.id.startswith("chatcmpl-tool-")
+    assert isinstance(block.input, dict) and set(block.input) == {"unit"} and block.input["unit"] in UNITS
+    # The prompt is split into uncached input, cache writes and cache reads; together they are all of it.
+    usage = message.usage
+    prompt = client.messages.count_tokens(tool_choice=ANTHROPIC_CHOICES[choice], **request).input_tokens
+    assert usage.input_tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens == prompt
+    assert usage.output_tokens > 10
+
+
+@pytest.mark.parametrize("choice", ANTHROPIC_CHOICES)
+def test_a_forced_tool_call_streams_to_the_anthropic_sdk(engine, choice):
+    with anthropic_sdk(engine).messages.stream(
+        model=MODEL_NAME,
+        max_tokens=2000,
+        messages=QUESTION,
+        tools=[ANTHROPIC_TOOL],
+        tool_choice=ANTHROPIC_CHOICES[choice],
+    ) as stream:
+        events = list(stream)
+        message = stream.get_final_message()
+    kinds = [event.type for event in events]
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    start = next(event for event in events if event.type == "content_block_start")
+    assert start.index == 0 and start.content_block.type == "tool_use"
+    assert start.content_block.name == "get_weather" and start.content_block.input == {}
+    partial = [e.delta.partial_json for e in events if e.type == "content_block_delta"]
+    assert partial and all(
+        e.delta.type == "input_json_delta" for e in events if e.type == "content_block_delta"
+    )
+    assert json.loads("".join(partial)) == message.content[0].input
+    assert "content_block_stop" in kinds
+    delta = next(event for event in events if event.type == "message_delta")
+    assert delta.delta.stop_reason == "tool_use" and delta.usage.output_tokens > 10
+    (block,) = message.content
+    assert block.type == "tool_use" and block.id == start.content_block.id
+    assert (
+        isinstance(block.input, dict) and block.input["unit"] in UNITS and message.stop_reason == "tool_use"
+    )
+
+
+def test_a_tool_conversation_goes_on_through_both_sdks(engine):
+    reply = openai_sdk(engine).chat.completions.create(
+        model=MODEL_NAME, messages=OPENAI_HISTORY, tools=[OPENAI_TOOL], max_tokens=3
+    )
+    assert reply.choices[0].finish_reason == "length" and isinstance(reply.choices[0].message.content, str)
+    assert reply.choices[0].message.tool_calls is None and reply.usage.completion_tokens == 3
+    message = anthropic_sdk(engine).messages.create(
+        model=MODEL_NAME, messages=ANTHROPIC_HISTORY, tools=[ANTHROPIC_TOOL], max_tokens=3
+    )
+    assert message.stop_reason == "max_tokens" and [block.type for block in message.content] == ["text"]
+    assert message.usage.output_tokens == 3
+
+
+def shape(value):
+    """A response with its values replaced by their types (lists by their first item's shape)."""
+    if isinstance(value, dict):
+        return {key: shape(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [shape(item) for item in value[:1]]
+    return type(value).__name__ if value is not None else None
+
+
+def test_the_two_engines_answer_a_tool_call_with_the_same_fields(sim_engine, vllm_engine):
+    chat = {
+        "model": MODEL_NAME,
+        "messages": QUESTION,
+        "tools": [OPENAI_TOOL],
+        "tool_choice": "required",
+        **FORCED,
+    }
+    messages = {
+        "model": MODEL_NAME,
+        "messages": QUESTION,
+        "tools": [ANTHROPIC_TOOL],
+        "tool_choice": ANTHROPIC_CHOICES["any"],
+        "max_tokens": 2000,
+    }
+    replies = []
+    for engine in (sim_engine, vllm_engine):
+        with engine.client() as client:
+            streamed = client.post("/v1/chat/completions", json={**chat, "stream": True})
+            chunks = [
+                json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")
+            ]
+            replies.append(
+                {
+                    "chat": client.post("/v1/chat/completions", json=chat).json(),
+                    "messages": client.post("/v1/messages", json=messages).json(),
+                    # The role chunk, the call's first delta, one with arguments, and the finishing one.
+                    "chunks": [chunks[0], chunks[1], chunks[2], chunks[-1]],
+                }
+            )
+    sim, real = (shape(reply) for reply in replies)
+    assert sim == real
+    for reply in replies:
+        assert reply["chat"]["choices"][0]["message"]["tool_calls"][0]["id"].startswith("chatcmpl-tool-")
+        assert reply["messages"]["content"][0]["id"].startswith("chatcmpl-tool-")
+
+
+def test_the_two_engines_tokenize_a_tool_conversation_alike(sim_engine, vllm_engine):
+    body = {"model": MODEL_NAME, "messages": OPENAI_HISTORY, "tools": [OPENAI_TOOL]}
+    results = [
+        httpx.post(f"{e.url}/tokenize", json=body, timeout=60).json() for e in (sim_engine, vllm_engine)
+    ]
+    assert results[0]["tokens"] == results[1]["tokens"] and results[0]["count"] > 100
+    anthropic_body = {"model": MODEL_NAME, "messages": ANTHROPIC_HISTORY, "tools": [ANTHROPIC_TOOL]}
+    counts = [
+        httpx.post(f"{e.url}/v1/messages/count_tokens", json=anthropic_body, timeout=60).json()
+        for e in (sim_engine, vllm_engine)
+    ]
+    assert counts[0] == counts[1] and counts[0]["input_tokens"] > 100

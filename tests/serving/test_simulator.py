@@ -4,12 +4,15 @@ shows in time to first token, deterministic output, client aborts, and NIXL-styl
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 import time
 
 import httpx
 import pytest
 
-from .engines import MODEL_NAME, EventSubscriber, events_of, start_engine
+from .engines import MODEL_DIR, MODEL_NAME, ROOT, EventSubscriber, events_of, start_engine
 
 
 def blocks_prompt(n_blocks: int, salt: int) -> list[int]:
@@ -224,3 +227,227 @@ def test_it_hands_a_prefill_over_to_a_decode_engine(pd_pair):
     complete(decode, [t + 1 for t in prompt], 1, kv_transfer_params=params)
     assert time.monotonic() - start > 0.4
     assert decode.metrics()["vllm:nixl_num_failed_transfers_total"] == 1
+
+
+# --- tool calls: the simulator's own rule (real vLLM with random weights calls tools only when forced) -------
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+            "required": ["unit"],
+        },
+    },
+}
+SEARCH = {
+    "type": "function",
+    "function": {
+        "name": "search",
+        "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]},
+    },
+}
+ASK = [{"role": "user", "content": "What is the weather like?"}]
+CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"unit": "celsius"}}\n</tool_call>'
+
+
+def chat(engine, **body) -> dict:
+    response = httpx.post(f"{engine.url}/v1/chat/completions", json={"model": MODEL_NAME, **body}, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_auto_tool_choice_calls_the_first_tool_when_the_user_has_the_last_word(sim_engine):
+    reply = chat(sim_engine, messages=ASK, tools=[WEATHER, SEARCH], max_tokens=200)
+    (choice,) = reply["choices"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"unit": "celsius"}'}
+
+    named = chat(
+        sim_engine,
+        messages=ASK,
+        tools=[WEATHER, SEARCH],
+        tool_choice={"type": "function", "function": {"name": "search"}},
+        max_tokens=200,
+    )["choices"][0]
+    assert named["finish_reason"] == "stop" and named["message"]["content"] == ""
+    assert named["message"]["tool_calls"][0]["function"] == {
+        "name": "search",
+        "arguments": '{"query": "example"}',
+    }
+
+    answered = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [{**call, "type": "function"}]},
+        {"role": "tool", "tool_call_id": call["id"], "content": "21 degrees"},
+    ]
+    for body in (
+        {"messages": answered, "tools": [WEATHER]},  # the last word is a tool result: the model answers
+        {"messages": ASK, "tools": [WEATHER], "tool_choice": "none"},
+    ):
+        text = chat(sim_engine, max_tokens=4, **body)["choices"][0]
+        assert text["finish_reason"] == "length" and isinstance(text["message"]["content"], str)
+        assert "tool_calls" not in text["message"]
+
+
+def test_tool_arguments_follow_the_tools_schema(sim_engine):
+    schema = {
+        "type": "object",
+        "properties": {
+            "text": {"type": "string"},
+            "count": {"type": "integer", "minimum": 3},
+            "flag": {"type": "boolean"},
+            "mode": {"type": "string", "enum": ["fast", "slow"]},
+            "ids": {"type": "array", "items": {"type": "integer"}, "minItems": 2},
+            "where": {"$ref": "#/$defs/place"},
+            "maybe": {"type": ["null", "number"]},
+            "optional": {"type": "string"},
+        },
+        "required": ["text", "count", "flag", "mode", "ids", "where", "maybe"],
+        "$defs": {
+            "place": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+        },
+    }
+    tool = {"type": "function", "function": {"name": "run", "parameters": schema}}
+    call = chat(sim_engine, messages=ASK, tools=[tool], tool_choice="required", max_tokens=500)["choices"][0]
+    arguments = json.loads(call["message"]["tool_calls"][0]["function"]["arguments"])
+    assert arguments == {
+        "text": "example",
+        "count": 3,
+        "flag": False,
+        "mode": "fast",
+        "ids": [0, 0],
+        "where": {"city": "example"},
+        "maybe": 0,
+    }
+
+
+def test_a_tool_calls_tokens_are_its_output_tokens(sim_engine):
+    call_tokens = httpx.post(
+        f"{sim_engine.url}/tokenize", json={"prompt": CALL_TEXT, "add_special_tokens": False}
+    ).json()["count"]
+    before = sim_engine.metrics()
+    body = {"messages": [{"role": "user", "content": "Weather, please: " + "x " * 200}], "tools": [WEATHER]}
+    first = chat(sim_engine, tool_choice="required", max_tokens=500, **body)
+    assert first["usage"]["completion_tokens"] == call_tokens + 1  # the call, then the end-of-turn token
+    # Streamed, from the cache this time: the same tokens, the prompt's full blocks found again.
+    response = httpx.post(
+        f"{sim_engine.url}/v1/chat/completions",
+        json={
+            "model": MODEL_NAME,
+            "tool_choice": "required",
+            "max_tokens": 500,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            **body,
+        },
+        timeout=60,
+    )
+    usage = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")][-1][
+        "usage"
+    ]
+    assert usage["completion_tokens"] == call_tokens + 1
+    prompt = usage["prompt_tokens"]
+    assert usage["prompt_tokens_details"] == {"cached_tokens": prompt // 128 * 128, "created_cache_tokens": 0}
+    details = first["usage"]["prompt_tokens_details"]  # the tools' system block may be cached already
+    assert details["cached_tokens"] + details["created_cache_tokens"] == prompt // 128 * 128
+    after = sim_engine.metrics()
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == 2 * (
+        call_tokens + 1
+    )
+    assert 'finished_reason="stop"' in httpx.get(f"{sim_engine.url}/metrics").text
+
+
+def test_max_tokens_cuts_a_tool_call_short_into_text(sim_engine):
+    cut = chat(sim_engine, messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=5)["choices"][0]
+    assert cut["finish_reason"] == "length" and "tool_calls" not in cut["message"]
+    assert CALL_TEXT.startswith(cut["message"]["content"]) and cut["message"]["content"]
+    message = httpx.post(
+        f"{sim_engine.url}/v1/messages",
+        json={
+            "model": MODEL_NAME,
+            "max_tokens": 5,
+            "messages": ASK,
+            "tools": [{"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}],
+            "tool_choice": {"type": "any"},
+        },
+        timeout=60,
+    ).json()
+    assert message["stop_reason"] == "max_tokens" and message["content"][0]["type"] == "text"
+
+
+def test_it_takes_vllms_tool_and_template_flags(tmp_path):
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    path = tmp_path / "template.jinja"
+    path.write_text(template)
+    engines = [
+        start_engine("sim", "--chat-template", str(path), events=False, tool_parser=False),
+        start_engine(
+            "sim",
+            "--chat-template",
+            template,
+            "--tool-call-parser",
+            "hermes",  # without --enable-auto-tool-choice vLLM loads no parser: tools are still refused
+            "--reasoning-parser",
+            "qwen3",
+            events=False,
+            tool_parser=False,
+        ),
+        start_engine("sim", "--exclude-tools-when-tool-choice-none", events=False),
+    ]
+    try:
+        expected = httpx.post(
+            f"{engines[0].url}/tokenize", json={"prompt": "[user] hi\n", "add_special_tokens": False}
+        ).json()["tokens"]
+        for engine in engines[:2]:
+            rendered = httpx.post(
+                f"{engine.url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}
+            )
+            assert rendered.json()["tokens"] == expected
+        refused = httpx.post(
+            f"{engines[1].url}/v1/chat/completions",
+            json={"messages": ASK, "tools": [WEATHER], "max_tokens": 1},
+        )
+        assert (
+            refused.status_code == 400 and "--enable-auto-tool-choice" in refused.json()["error"]["message"]
+        )
+        counts = {
+            choice: chat(engines[2], messages=ASK, tools=[WEATHER], tool_choice=choice, max_tokens=1)[
+                "usage"
+            ]["prompt_tokens"]
+            for choice in ("none", "required")
+        }
+        plain = chat(engines[2], messages=ASK, max_tokens=1)["usage"]["prompt_tokens"]
+        assert counts["none"] == plain < counts["required"]
+    finally:
+        for engine in engines:
+            engine.stop()
+
+
+@pytest.mark.parametrize(
+    "flags, error",
+    [
+        (
+            ["--enable-auto-tool-choice"],
+            "TypeError: Error: --enable-auto-tool-choice requires --tool-call-parser",
+        ),
+        (
+            ["--enable-auto-tool-choice", "--tool-call-parser", "hermez"],
+            "KeyError: 'invalid tool call parser: hermez (chose from {",
+        ),
+        (["--reasoning-parser", "qwen4"], "KeyError: 'invalid reasoning parser: qwen4 (chose from {"),
+        (["--chat-template", "no/such/template.jinja"], "ValueError: The supplied chat template string"),
+    ],
+)
+def test_it_refuses_to_start_as_vllm_does(flags, error):
+    ran = subprocess.run(
+        [sys.executable, "-m", "serving.simulator", "--model", str(MODEL_DIR), *flags],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert ran.returncode == 1
+    assert ran.stderr.strip().splitlines()[-1].startswith(error)
