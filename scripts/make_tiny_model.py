@@ -43,8 +43,8 @@ CHAT_TEMPLATE = (
     "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
     "{{- '# Tools\\n\\nYou may call one or more functions. Their signatures are inside <tools></tools>:\\n<tools>' }}"
     "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
-    "{{- '\\n</tools>\\n\\nTo call one, answer with <tool_call>\\n{\\\"name\\\": <function-name>, "
-    "\\\"arguments\\\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    '{{- \'\\n</tools>\\n\\nTo call one, answer with <tool_call>\\n{\\"name\\": <function-name>, '
+    '\\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n\' }}'
     "{%- elif messages[0]['role'] == 'system' %}"
     "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
     "{%- endif %}"
