@@ -263,9 +263,17 @@ class Router:
         if path in ("/health", "/healthz"):
             body = orjson.dumps({"status": "ok", "config_version": self.snapshot.version})
             return await _respond(send, 200, body, JSON_HEADERS)
-        await _respond(
-            send, 404, OPENAI.error_body(404, f"No route {path}; this router serves /v1."), JSON_HEADERS
+        if path.startswith("/v1/responses/"):
+            message = (
+                "This gateway keeps no stored responses (each request may be served by another engine): send the "
+                "whole conversation in `input` with `store: false`, as Codex does."
+            )
+            return await _respond(send, 404, OPENAI.error_body(404, message), JSON_HEADERS)
+        message = (
+            f"No route {method} {path}. This router serves POST /v1/chat/completions, /v1/completions, "
+            "/v1/messages, /v1/messages/count_tokens and /v1/responses, and GET /v1/models."
         )
+        await _respond(send, 404, OPENAI.error_body(404, message), JSON_HEADERS)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:

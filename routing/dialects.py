@@ -600,3 +600,118 @@ def first_media_part(messages: list) -> str | None:
                     if isinstance(item, dict) and item.get("type") in MEDIA_PARTS:
                         return item["type"]
     return None
+
+
+# --- The Responses API's input as a chat-completions request --------------------------------------------
+
+
+def responses_chat_request(payload: dict) -> dict:
+    """The chat-completions request a Responses API request becomes in the engine (vLLM's
+    construct_input_messages): `instructions` as a system message, a string `input` as the user's, input items
+    as chat messages (a function call joins the assistant message before it, its output becomes a tool message,
+    reasoning and assistant text join the assistant message too), function tools as chat tools."""
+    if payload.get("previous_response_id") is not None:
+        raise RenderError(
+            "previous_response",
+            "`previous_response_id` refers to history held by one engine: send the conversation in `input`.",
+            "previous_response_id",
+        )
+    items: list[dict] = []
+    source = payload.get("input")
+    if isinstance(source, str):
+        items.append({"role": "user", "content": source})
+    elif isinstance(source, list) and source:
+        for item in source:
+            _responses_item(item, items)
+    else:
+        raise RenderError("bad_input", "`input` must be a string or a non-empty list of items.", "input")
+    messages = [{"role": "system", "content": payload["instructions"]}] if payload.get("instructions") else []
+    request: dict = {"messages": messages + items}
+    tools = payload.get("tools")
+    if tools:
+        if not isinstance(tools, list):
+            raise RenderError("bad_tools", "`tools` must be a list.", "tools")
+        request["tools"] = [_responses_tool(tool) for tool in tools if _is_function_tool(tool)] or None
+    reasoning = payload.get("reasoning")
+    if isinstance(reasoning, dict) and reasoning.get("effort") is not None:
+        request["reasoning_effort"] = reasoning["effort"]
+    if payload.get("chat_template_kwargs") is not None:
+        request["chat_template_kwargs"] = payload["chat_template_kwargs"]
+    last = source[-1] if isinstance(source, list) else None
+    if isinstance(last, dict) and last.get("type", "message") in ("message", "reasoning"):
+        if last.get("role", "assistant") == "assistant" and last.get("status") in (
+            "in_progress",
+            "incomplete",
+        ):
+            request["continue_final_message"] = True
+            request["add_generation_prompt"] = False
+    return request
+
+
+def _responses_item(item, messages: list[dict]) -> None:
+    if not isinstance(item, dict):
+        raise RenderError("bad_input", "Each input item must be an object.", "input")
+    kind = item.get("type")
+    previous = messages[-1] if messages and messages[-1].get("role") == "assistant" else None
+    if kind == "function_call":
+        if item.get("namespace"):
+            raise RenderError(
+                "tool_namespace", "Namespaced function calls are not rendered by the router.", "input"
+            )
+        call = {
+            "id": item.get("call_id"),
+            "function": {"name": item.get("name"), "arguments": item.get("arguments")},
+            "type": "function",
+        }
+        if previous is not None:
+            previous["tool_calls"] = [*(previous.get("tool_calls") or []), call]
+        else:
+            messages.append({"role": "assistant", "tool_calls": [call]})
+    elif kind == "reasoning":
+        if item.get("encrypted_content"):
+            raise RenderError("encrypted_reasoning", "Encrypted reasoning content is not supported.", "input")
+        parts = item.get("content") or item.get("summary") or []
+        text = parts[0].get("text", "") if parts and isinstance(parts[0], dict) else ""
+        if previous is not None and previous.get("reasoning") is None:
+            previous["reasoning"] = text
+        else:
+            messages.append({"role": "assistant", "reasoning": text})
+    elif kind in ("function_call_output", "custom_tool_call_output"):
+        messages.append({"role": "tool", "content": item.get("output"), "tool_call_id": item.get("call_id")})
+    elif item.get("role") == "assistant":
+        content = item.get("content")
+        text = content if isinstance(content, str) else None
+        if isinstance(content, list) and content and isinstance(content[0], dict):
+            text = content[0].get("text")
+        if text is None:
+            messages.append(dict(item))
+        elif previous is not None and previous.get("content") is None:
+            previous["content"] = text
+        else:
+            messages.append({"role": "assistant", "content": text})
+    elif "role" in item:
+        messages.append(dict(item))
+    else:
+        raise RenderError("bad_input", f"Unsupported input item type: {kind}", "input")
+
+
+def _is_function_tool(tool) -> bool:
+    if not isinstance(tool, dict):
+        raise RenderError("bad_tools", "Each tool must be an object with a `type`.", "tools")
+    if tool.get("type") == "namespace":
+        raise RenderError("tool_namespace", "Namespaced tools are not rendered by the router.", "tools")
+    return tool.get("type") == "function"
+
+
+def _responses_tool(tool: dict) -> dict:
+    if not isinstance(tool.get("name"), str):
+        raise RenderError("bad_tools", "Each function tool needs a `name`.", "tools")
+    function = {
+        "name": tool["name"],
+        "description": tool.get("description"),
+        "parameters": tool.get("parameters"),
+    }
+    for key in ("strict", "defer_loading"):
+        if tool.get(key) is not None:
+            function[key] = tool[key]
+    return {"type": "function", "function": function}

@@ -82,7 +82,7 @@ class PrefixRouting:
         prompt = payload.get("prompt")
         if isinstance(prompt, str):
             return tokenizer.encode_prompt(prompt)
-        if not isinstance(payload.get("messages"), list):
+        if not isinstance(payload.get("input" if path == "/v1/responses" else "messages"), list | str):
             return None
         return tokenizer.encode_request(payload, path)
 

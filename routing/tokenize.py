@@ -18,7 +18,14 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from .dialects import ChatInputs, RenderError, TemplateTraits, anthropic_chat_request, chat_inputs
+from .dialects import (
+    ChatInputs,
+    RenderError,
+    TemplateTraits,
+    anthropic_chat_request,
+    chat_inputs,
+    responses_chat_request,
+)
 
 
 def token_ids(prompt) -> array | None:
@@ -131,20 +138,27 @@ class RouterTokenizer:
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise
         self.template = env.from_string(template) if template else None
+        self.template_source = template or ""
 
     def chat_inputs(self, payload: dict, path: str = "/v1/chat/completions") -> ChatInputs:
         """What the engine's template will see for a request to `path` (chat completions or Anthropic
         messages); RenderError when it cannot be rendered."""
         if path == "/v1/messages":
             payload = anthropic_chat_request(payload, merge_inline_system=self.merge_inline_system)
+        elif path == "/v1/responses":
+            payload = responses_chat_request(payload)
         return chat_inputs(payload, self.traits)
 
     def render(self, inputs: ChatInputs) -> str:
         if self.template is None:
             raise RenderError("no_template", "this model has no chat template")
+        messages = inputs.messages
+        final = None
+        if inputs.kwargs.get("continue_final_message"):
+            messages, final = self._tag_final_message(messages)
         try:
-            return self.template.render(
-                messages=inputs.messages,
+            text = self.template.render(
+                messages=messages,
                 tools=inputs.tools,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
@@ -152,6 +166,33 @@ class RouterTokenizer:
             )
         except jinja2.TemplateError as exc:
             raise RenderError("template_error", f"the chat template refused the request: {exc}") from exc
+        return text if final is None else _cut_at_tag(text, final)
+
+    def _tag_final_message(self, messages: list[dict]) -> tuple[list[dict], str]:
+        """The conversation with a tag after the final message's text, as transformers marks where a message to
+        continue ends (the rendered text is cut there)."""
+        if not messages or messages[-1].get("content") is None:
+            raise RenderError(
+                "continue_final_message", "continue_final_message needs a final message with content"
+            )
+        if "content" not in self.template_source:
+            raise RenderError("continue_final_message", "the chat template does not render message content")
+        last = dict(messages[-1])
+        content = last["content"]
+        if isinstance(content, list):
+            blocks = [dict(block) for block in content]
+            for block in reversed(blocks):
+                if "text" in block:
+                    final = block["text"]
+                    block["text"] = final + CONTINUE_TAG
+                    break
+            else:
+                raise RenderError("continue_final_message", "the final message has no text to continue")
+            last["content"] = blocks
+        else:
+            final = content
+            last["content"] = content + CONTINUE_TAG
+        return [*messages[:-1], last], final
 
     def render_chat(self, messages: list[dict], *, tools: list | None = None, **kwargs) -> str:
         """A chat-completions request's messages (and tools, and template variables), rendered."""
@@ -240,6 +281,19 @@ class RouterTokenizer:
     def encode_prompt(self, prompt: str) -> array:
         """A completions prompt, as the engine tokenises it (with the tokenizer's own special tokens)."""
         return array("I", self.tokenizer.encode(prompt, add_special_tokens=True).ids)
+
+
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _cut_at_tag(text: str, final: str) -> str:
+    tag = CONTINUE_TAG.strip()
+    if final.strip() not in text or tag not in text:
+        raise RenderError(
+            "continue_final_message", "the chat template drops part of the final message to continue"
+        )
+    at = text.rindex(tag)
+    return text[:at] if text[at : at + len(CONTINUE_TAG)] == CONTINUE_TAG else text[:at].rstrip()
 
 
 def _tojson(value, indent=None, separators=None, sort_keys=False) -> str:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 CHAT = "/v1/chat/completions"
 MESSAGES = "/v1/messages"
+RESPONSES = "/v1/responses"
 
 SYSTEM = (
     "You are a coding agent working in a Python repository. Follow its conventions and run its tests. " * 4
@@ -424,4 +425,174 @@ ANTHROPIC_CASES = [
     ),
 ]
 
-CASES = OPENAI_CASES + ANTHROPIC_CASES
+RESPONSES_TOOLS = [
+    {
+        "type": "function",
+        "name": "shell",
+        "description": "Run a command in the sandbox.",
+        "strict": False,
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "command": {"type": "array", "items": {"type": "string"}},
+                "workdir": {"type": "string"},
+            },
+            "required": ["command"],
+        },
+    },
+    {
+        "type": "function",
+        "name": "apply_patch",
+        "parameters": {"type": "object", "properties": {"input": {}}},
+    },
+]
+
+RESPONSES_CASES = [
+    RenderCase(
+        "a string input with instructions", RESPONSES, {"instructions": SYSTEM, "input": "Fix the bug."}
+    ),
+    RenderCase(
+        "Codex-style items: messages, function calls and their outputs, reasoning",
+        RESPONSES,
+        {
+            "instructions": SYSTEM,
+            "tools": RESPONSES_TOOLS,
+            "reasoning": {"effort": "medium"},
+            "input": [
+                {
+                    "type": "message",
+                    "role": "developer",
+                    "content": [{"type": "input_text", "text": "Sandbox: on."}],
+                },
+                {
+                    "type": "message",
+                    "role": "user",
+                    "content": [{"type": "input_text", "text": "Run the tests."}],
+                },
+                {"type": "reasoning", "summary": [{"type": "summary_text", "text": "Run pytest first."}]},
+                {
+                    "type": "function_call",
+                    "call_id": "call_r1",
+                    "name": "shell",
+                    "arguments": '{"command": ["pytest", "-q"]}',
+                },
+                {"type": "function_call_output", "call_id": "call_r1", "output": "1 failed"},
+                {
+                    "type": "message",
+                    "role": "assistant",
+                    "content": [{"type": "output_text", "text": "One test fails.", "annotations": []}],
+                },
+                {
+                    "type": "function_call",
+                    "call_id": "call_r2",
+                    "name": "shell",
+                    "arguments": '{"command": ["cat", "a.py"]}',
+                },
+                {"type": "function_call", "call_id": "call_r3", "name": "apply_patch", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "call_r2", "output": FILE},
+                {"type": "function_call_output", "call_id": "call_r3", "output": "Done!"},
+                {"role": "user", "content": "Now commit."},
+            ],
+        },
+    ),
+]
+
+# Edges: what a template may do with the final message, thinking switched off, roles out of the usual order.
+EDGE_CASES = [
+    RenderCase(
+        "continue_final_message on a partial assistant message",
+        CHAT,
+        {
+            "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "partial"}],
+            "continue_final_message": True,
+            "add_generation_prompt": False,
+        },
+    ),
+    RenderCase(
+        "reasoning_effort none, an empty tool_calls list, a developer message first and a system one later",
+        CHAT,
+        {
+            "reasoning_effort": "none",
+            "tools": OPENAI_TOOLS,
+            "messages": [
+                {"role": "developer", "content": "Developer rules first."},
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "x", "tool_calls": []},
+                {"role": "system", "content": "A later system message."},
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            ],
+        },
+    ),
+    RenderCase(
+        "Anthropic thinking disabled, an inline system reminder, an empty text block",
+        MESSAGES,
+        {
+            "max_tokens": 8,
+            "system": "S",
+            "thinking": {"type": "disabled"},
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "system", "content": "reminder: be brief"},
+                {"role": "assistant", "content": "ok"},
+                {"role": "user", "content": [{"type": "text", "text": ""}, {"type": "text", "text": "go"}]},
+            ],
+        },
+    ),
+    RenderCase(
+        "Anthropic prefilled assistant turn under tool_choice any",
+        MESSAGES,
+        {
+            "max_tokens": 8,
+            "tools": ANTHROPIC_TOOLS,
+            "tool_choice": {"type": "any"},
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": [{"type": "text", "text": "partial"}]},
+            ],
+        },
+    ),
+    RenderCase(
+        "Responses reasoning content, a tool output as parts, a built-in tool beside functions",
+        RESPONSES,
+        {
+            "tools": [{"type": "web_search_preview"}, *RESPONSES_TOOLS],
+            "input": [
+                {"role": "user", "content": [{"type": "input_text", "text": "a"}]},
+                {
+                    "type": "reasoning",
+                    "summary": [],
+                    "content": [{"type": "reasoning_text", "text": "think"}],
+                },
+                {
+                    "type": "function_call",
+                    "call_id": "c",
+                    "name": "shell",
+                    "arguments": '{"command": ["ls"]}',
+                },
+                {
+                    "type": "function_call_output",
+                    "call_id": "c",
+                    "output": [{"type": "input_text", "text": "x"}, {"type": "input_text", "text": "y"}],
+                },
+            ],
+        },
+    ),
+    RenderCase(
+        "Responses partial assistant message to continue",
+        RESPONSES,
+        {
+            "instructions": "I",
+            "input": [
+                {"role": "user", "content": "hi"},
+                {
+                    "type": "message",
+                    "role": "assistant",
+                    "status": "in_progress",
+                    "content": [{"type": "output_text", "text": "part", "annotations": []}],
+                },
+            ],
+        },
+    ),
+]
+
+CASES = OPENAI_CASES + ANTHROPIC_CASES + RESPONSES_CASES + EDGE_CASES

