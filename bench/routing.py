@@ -552,84 +552,6 @@ def chat_bodies(reqs: list[wl.Req]) -> list[bytes]:
     return [json.dumps(req.payload, separators=(",", ":")).encode() for req in reqs]
 
 
-async def chat_replay(ports: list[int], headers: dict, reqs: list[wl.Req], bodies: list[bytes]) -> list[dict]:
-    """streamed.replay for chat workloads: each request streamed as text to its own path (/v1/messages or
-    /v1/chat/completions), TTFT at the first content event, prompt and cached tokens from the usage the stream
-    ends with (Anthropic: input + cache creation + cache read tokens, cached = cache read; OpenAI: prompt_tokens
-    and prompt_tokens_details.cached_tokens). No x-session-id header: the agents do not send one."""
-    import aiohttp
-
-    results: list[dict] = [{} for _ in reqs]
-    connector = aiohttp.TCPConnector(limit=0, force_close=True)
-    async with aiohttp.ClientSession(
-        connector=connector, timeout=aiohttp.ClientTimeout(total=300)
-    ) as session:
-        start = time.perf_counter() + 0.2
-        ended = [asyncio.Event() for _ in reqs]
-
-        async def one(i: int) -> None:
-            req = reqs[i]
-            delay = start + req.at - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            if req.after is not None and not ended[req.after].is_set():
-                waited = time.perf_counter()
-                await ended[req.after].wait()
-                results[i]["held_back"] = time.perf_counter() - waited
-            try:
-                await send(i, req)
-            finally:
-                ended[i].set()
-
-        async def send(i: int, req: wl.Req) -> None:
-            h = {"Content-Type": "application/json", **headers}
-            anthropic = req.path == "/v1/messages"
-            if anthropic:
-                h["anthropic-version"] = "2023-06-01"
-            out = results[i]
-            sent = time.perf_counter()
-            out["sent"] = sent - start
-            first = None
-            url = f"http://127.0.0.1:{ports[i % len(ports)]}{req.path}"
-            try:
-                async with session.post(url, data=bodies[i], headers=h) as resp:
-                    out["status"] = resp.status
-                    out["request_id"] = resp.headers.get("x-request-id")
-                    async for line in resp.content:
-                        if not line.startswith(b"data: {"):
-                            continue
-                        if first is None and (
-                            b'"content_block_' in line if anthropic else b'"choices":[{' in line
-                        ):
-                            first = time.perf_counter()
-                        if anthropic and b'"message_delta"' in line:
-                            usage = json.loads(line[6:]).get("usage") or {}
-                            out["cached"] = usage.get("cache_read_input_tokens") or 0
-                            out["prompt"] = (
-                                usage.get("input_tokens", 0)
-                                + out["cached"]
-                                + (usage.get("cache_creation_input_tokens") or 0)
-                            )
-                        elif not anthropic and b'"prompt_tokens"' in line:
-                            usage = json.loads(line[6:]).get("usage") or {}
-                            out["prompt"] = usage.get("prompt_tokens", 0)
-                            out["cached"] = (
-                                (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-                            ) or 0
-                    if resp.status != 200:
-                        out["error"] = f"status {resp.status}"
-                    done = time.perf_counter()
-                    out["ttft"] = (first or done) - sent
-                    out["done"] = done - start
-                    out["ok"] = resp.status == 200 and first is not None
-            except Exception as exc:  # noqa: BLE001 - counted as an error
-                out["ok"] = False
-                out["error"] = repr(exc)[:200]
-
-        await asyncio.gather(*(one(i) for i in range(len(reqs))))
-    return results
-
-
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     if not (os.environ.get("DATABASE_URL") and os.environ.get("REDIS_URL")):
@@ -694,7 +616,6 @@ def main(argv: list[str]) -> int:
             )
             chat = name in CHAT_WORKLOADS
             bodies = chat_bodies(reqs) if chat else streamed.completion_bodies(MODEL, reqs)
-            replay = chat_replay if chat else streamed.replay
             for round_, policy in itertools.product(range(args.repeat), policies):
                 if any("skipped" in r for r in rows.get((name, policy), [])):
                     continue
@@ -776,7 +697,9 @@ def main(argv: list[str]) -> int:
                 before = [e.counters() for e in engines]
                 cpu0 = sum(ro.tree_cpu(proc.pid) for proc, _ in replicas_up)
                 t0 = time.monotonic()
-                results = asyncio.run(replay([port for _, port in replicas_up], headers, reqs, bodies))
+                results = asyncio.run(
+                    streamed.replay([port for _, port in replicas_up], headers, reqs, bodies)
+                )
                 elapsed = time.monotonic() - t0
                 cpu = sum(ro.tree_cpu(proc.pid) for proc, _ in replicas_up) - cpu0
                 time.sleep(0.3)

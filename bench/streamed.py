@@ -1,9 +1,11 @@
-"""The benchmarks' open-loop client for streamed /v1/completions (bench/routing.py, bench/disagg.py).
+"""The benchmarks' open-loop streamed client (bench/routing.py, bench/disagg.py): each request to its own path,
+/v1/completions (token ids), /v1/chat/completions or /v1/messages (agent sessions as text).
 
 Each request is sent at its own time from the start of the replay (`Req.at`), on a fresh connection, to router
 replica i mod len(ports), as a load balancer in front of several replicas spreads them; a request that continues
 an earlier one (`Req.after`) is not sent before that one has ended, as no client could. Per request it records
-when it was sent, the time to the first content chunk, when it ended, the usage the stream ends with, the
+when it was sent, the time to the first content event, when it ended, the usage the stream ends with (Anthropic:
+input + cache creation + cache read tokens, cached = cache read), the
 router's `x-request-id` (which its decision log names) and, with `chunk_times`, the gaps between content chunks.
 """
 
@@ -16,6 +18,7 @@ import time
 import routing_workloads as wl
 
 COMPLETIONS = "/v1/completions"
+MESSAGES = "/v1/messages"
 
 
 def completion_bodies(model: str, reqs: list[wl.Req], *, ignore_eos: bool = False) -> list[bytes]:
@@ -74,11 +77,15 @@ async def replay(
             h = {"Content-Type": "application/json", **headers}
             if req.session:
                 h["x-session-id"] = req.session
+            anthropic = req.path == MESSAGES
+            if anthropic:
+                h["anthropic-version"] = "2023-06-01"
+            content = b'"content_block_' if anthropic else b'"choices":[{'
             sent = time.perf_counter()
             out = results[i]
             out["sent"] = sent - start
             arrivals: list[float] = []
-            url = f"http://{host}:{ports[i % len(ports)]}{COMPLETIONS}"
+            url = f"http://{host}:{ports[i % len(ports)]}{req.path}"
             try:
                 async with session.post(url, data=bodies[i], headers=h) as resp:
                     out["status"] = resp.status
@@ -86,15 +93,23 @@ async def replay(
                     async for line in resp.content:
                         if not line.startswith(b"data: {"):
                             continue
-                        if b'"choices":[{' in line and (chunk_times or not arrivals):
+                        if content in line and (chunk_times or not arrivals):
                             arrivals.append(time.perf_counter())
-                        if b'"prompt_tokens"' in line:
+                        if anthropic and b'"message_delta"' in line:
+                            usage = json.loads(line[6:]).get("usage") or {}
+                            out["cached"] = usage.get("cache_read_input_tokens") or 0
+                            created = usage.get("cache_creation_input_tokens") or 0
+                            out["prompt"] = usage.get("input_tokens", 0) + out["cached"] + created
+                            out["completion"] = usage.get("output_tokens", 0)
+                        elif not anthropic and b'"prompt_tokens"' in line:
                             usage = json.loads(line[6:]).get("usage") or {}
                             out["prompt"] = usage.get("prompt_tokens", 0)
                             out["completion"] = usage.get("completion_tokens", 0)
                             out["cached"] = (
                                 (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
                             ) or 0
+                    if resp.status != 200:
+                        out["error"] = f"status {resp.status}"
                     done = time.perf_counter()
                     out["ttft"] = (arrivals[0] if arrivals else done) - sent
                     if chunk_times:

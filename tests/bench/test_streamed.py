@@ -54,3 +54,35 @@ def test_a_failed_request_is_counted_not_raised(two_engines):
     bad = [b'{"model": "no-such-model", "prompt": [1, 2], "stream": true}']
     (result,) = asyncio.run(streamed.replay([port], {}, reqs, bad))
     assert result["ok"] is False and result["status"] == 404
+
+
+def test_replay_sends_agent_sessions_as_text_in_both_dialects(two_engines):
+    """Chat workloads: each request to its own path, usage read from each dialect's own stream."""
+    import json
+
+    port = int(two_engines[0].url.rsplit(":", 1)[1])
+    history = [{"role": "user", "content": "Read the parser and fix it. " * 40}]
+    reqs = [
+        Req(0.0, [], 0, 4, payload={}, path="/v1/messages"),
+        Req(0.0, [], 0, 4, payload={}, path="/v1/chat/completions", after=0),
+    ]
+    bodies = [
+        json.dumps({"model": MODEL_NAME, "max_tokens": 4, "stream": True, "messages": history}).encode(),
+        json.dumps(
+            {
+                "model": MODEL_NAME,
+                "max_tokens": 4,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "messages": history,
+            }
+        ).encode(),
+    ]
+    anthropic, openai = asyncio.run(streamed.replay([port], {}, reqs, bodies))
+    assert anthropic["ok"] and openai["ok"], (anthropic, openai)
+    # The same rendered prompt in both: Anthropic's input, cache creation and cache read tokens add up to it,
+    # and the second request found the first one's full blocks.
+    assert (
+        anthropic["prompt"] == openai["prompt"] > 256 and anthropic["completion"] == openai["completion"] == 4
+    )
+    assert anthropic["cached"] == 0 and openai["cached"] == openai["prompt"] // 128 * 128
