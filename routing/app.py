@@ -248,7 +248,7 @@ class Router:
         if path == "/v1/models" and method == "GET":
             return await self.models(scope, send)
         if path.startswith("/v1/models/") and method == "GET":
-            return await self.model(scope, send, path.removeprefix("/v1/models/"))
+            return await self.models(scope, send, path.removeprefix("/v1/models/"))
         if path == "/v1/messages/count_tokens":
             if method != "POST":
                 return await _respond(send, 405, ANTHROPIC.error_body(405, "Use POST."), JSON_HEADERS)
@@ -291,14 +291,21 @@ class Router:
                 return
 
     # --- /v1/models -----------------------------------------------------------------------------------
-    async def models(self, scope: dict, send: Send) -> None:
-        """The served models, in OpenAI's list shape, or Anthropic's when the client sends `anthropic-version`."""
+    async def models(self, scope: dict, send: Send, name: str | None = None) -> None:
+        """The served models (or the one named), as the OpenAI and Anthropic SDKs read them: Anthropic's shapes
+        when the client sends `anthropic-version`."""
         anthropic = _header(scope, b"anthropic-version") is not None
         dialect = ANTHROPIC if anthropic else OPENAI
         try:
             self.authenticate(scope, dialect)
         except HttpError as exc:
             return await _respond(send, exc.status, dialect.error_body(exc.status, exc.message), JSON_HEADERS)
+        if name is not None:
+            deployment = self.snapshot.deployments.get(name)
+            if deployment is None:
+                message = f"The model `{name}` does not exist. GET /v1/models lists the models served."
+                return await _respond(send, 404, dialect.error_body(404, message, "model"), JSON_HEADERS)
+            return await _respond(send, 200, orjson.dumps(_model_entry(deployment, anthropic)), JSON_HEADERS)
         data = [_model_entry(d, anthropic) for _, d in sorted(self.snapshot.deployments.items())]
         if anthropic:
             ids = [entry["id"] for entry in data]
@@ -307,20 +314,6 @@ class Router:
         else:
             body = {"object": "list", "data": data}
         await _respond(send, 200, orjson.dumps(body), JSON_HEADERS)
-
-    async def model(self, scope: dict, send: Send, name: str) -> None:
-        """One served model, as the OpenAI and Anthropic SDKs' models.retrieve read it."""
-        anthropic = _header(scope, b"anthropic-version") is not None
-        dialect = ANTHROPIC if anthropic else OPENAI
-        try:
-            self.authenticate(scope, dialect)
-        except HttpError as exc:
-            return await _respond(send, exc.status, dialect.error_body(exc.status, exc.message), JSON_HEADERS)
-        deployment = self.snapshot.deployments.get(name)
-        if deployment is None:
-            message = f"The model `{name}` does not exist. GET /v1/models lists the models served."
-            return await _respond(send, 404, dialect.error_body(404, message, "model"), JSON_HEADERS)
-        await _respond(send, 200, orjson.dumps(_model_entry(deployment, anthropic)), JSON_HEADERS)
 
     async def count_tokens(self, scope: dict, receive: Receive, send: Send) -> None:
         """Anthropic's /v1/messages/count_tokens, as Claude Code calls it: the prompt's tokens as the engine
