@@ -15,6 +15,7 @@ from pathlib import Path
 
 import jinja2
 import jinja2.nodes
+from jinja2.runtime import LoopContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
@@ -92,6 +93,21 @@ def _is_content(node) -> bool:
     return False
 
 
+class TemplateSandbox(ImmutableSandboxedEnvironment):
+    """Jinja's sandbox, as the engine renders templates (a model's template is code from its folder), with one
+    shortcut: the public attributes of a loop (`loop.first`, `loop.index0`, ...) are read directly. Templates read
+    them for every message, and the sandbox's checks of each read were a third of a long conversation's render;
+    a loop object is Jinja's own and its public attributes are plain values."""
+
+    def getattr(self, obj, attribute: str):
+        if obj.__class__ is LoopContext and not attribute.startswith("_"):
+            try:
+                return getattr(obj, attribute)
+            except AttributeError:
+                return self.undefined(obj=obj, name=attribute)
+        return super().getattr(obj, attribute)
+
+
 RECENT_HEAD = 256  # recent texts are grouped by their first characters
 RECENT_PER_HEAD = 4
 RECENT_MAX_CHARS = 16_000_000  # about 16 MB of text and 16 MB of ids at 4 characters a token
@@ -132,9 +148,7 @@ class RouterTokenizer:
         self.traits = template_traits(template)
         self.merge_inline_system = rejects_inline_system(template)
         self.multimodal = _is_multimodal(folder)
-        env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-        )
+        env = TemplateSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise
         self.template = env.from_string(template) if template else None
