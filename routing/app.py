@@ -420,7 +420,10 @@ class Router:
         client_wants_usage = bool((payload.get("stream_options") or {}).get("include_usage"))
         if stream and dialect is OPENAI and not client_wants_usage:
             payload["stream_options"] = {**(payload.get("stream_options") or {}), "include_usage": True}
-            body = orjson.dumps(payload)
+            try:
+                body = _dumps(payload)
+            except HttpError as exc:
+                return await _respond(send, 400, dialect.error_body(400, exc.message), JSON_HEADERS)
 
         snapshot = self.snapshot
         team_quota, key_quota = snapshot.team_quotas.get(key.team_id), snapshot.key_quotas.get(key.id)
@@ -547,6 +550,11 @@ class Router:
         self, payload: dict, deployment: DeploymentInfo, dialect: Dialect, prompt_ids: array | None
     ) -> tuple[int, int]:
         """Check limits and return upper bounds of the prompt's and the answer's tokens, for reservations."""
+        options = payload.get("stream_options")
+        if options is not None and not isinstance(options, dict):
+            raise HttpError(
+                400, '`stream_options` must be an object, e.g. {"include_usage": true}.', "stream_options"
+            )
         messages = payload.get("messages")
         if messages is not None:
             if not isinstance(messages, list) or not messages:
@@ -942,7 +950,7 @@ def _prompt_token_bound(payload: dict) -> int:
         payload.get("tools"),
     ):
         if part is not None:
-            total += len(orjson.dumps(part)) if not isinstance(part, str) else len(part.encode())
+            total += len(_dumps(part)) if not isinstance(part, str) else len(part.encode())
     messages = payload.get("messages")
     return total + 8 * (len(messages) if isinstance(messages, list) else 1) + 16
 
@@ -973,6 +981,14 @@ def _parse(body: bytes) -> dict:
     if not isinstance(payload, dict):
         raise HttpError(400, "The request body must be a JSON object.")
     return payload
+
+
+def _dumps(value) -> bytes:
+    """JSON of a parsed request, or a 400: orjson parses nesting up to 1,024 levels deep but writes only 254."""
+    try:
+        return orjson.dumps(value)
+    except orjson.JSONEncodeError as exc:
+        raise HttpError(400, f"The request cannot be forwarded: {exc}. Nest its JSON less deeply.") from None
 
 
 def _discard(work: Awaitable) -> None:

@@ -4,6 +4,8 @@ take; and requests the router cannot render are counted, not silently routed bli
 
 from __future__ import annotations
 
+import json
+
 import anthropic
 import httpx
 import openai
@@ -112,3 +114,23 @@ def test_stored_responses_and_unknown_routes_are_refused_clearly(fleet):
     assert "send the whole conversation in `input`" in caught.value.message
     reply = httpx.post(f"{fleet.router.url}/v1/embeddings", json={}, timeout=10)
     assert reply.status_code == 404 and "/v1/messages/count_tokens" in reply.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"stream": True, "stream_options": "yes"}, "`stream_options` must be an object"),
+        ({"stream": True, "metadata": {"a": json.loads("[" * 300 + "]" * 300)}}, "Nest its JSON less deeply"),
+        ({"messages": [{"role": "user", "content": [json.loads("[" * 300 + "]" * 300)]}]}, "less deeply"),
+    ],
+)
+def test_malformed_requests_get_a_400_that_says_what_to_fix(fleet, extra, message):
+    body = {"model": MODEL_NAME, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], **extra}
+    reply = httpx.post(
+        f"{fleet.router.url}/v1/chat/completions",
+        headers={"Authorization": f"Bearer {fleet.key.secret}"},
+        content=json.dumps(body),
+        timeout=30,
+    )
+    assert reply.status_code == 400, reply.text
+    assert message in reply.json()["error"]["message"]
