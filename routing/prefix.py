@@ -49,7 +49,8 @@ class PrefixRouting:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self.sample_rate = settings.ROUTER_DECISION_LOG_SAMPLE
 
-    def _tokenizer(self, deployment: DeploymentInfo) -> RouterTokenizer | None:
+    def tokenizer_for(self, deployment: DeploymentInfo) -> RouterTokenizer | None:
+        """The deployment's tokenizer and template, loaded once; None when there is none to load."""
         key = (deployment.tokenizer_path, deployment.chat_template)
         if key not in self._tokenizers:
             try:
@@ -67,16 +68,13 @@ class PrefixRouting:
                 self._tokenizers[key] = None
         return self._tokenizers[key]
 
-    def tokenizer_for(self, deployment: DeploymentInfo) -> RouterTokenizer | None:
-        return self._tokenizer(deployment)
-
     async def encode(self, tokenizer: RouterTokenizer, payload: dict, path: str) -> array:
         """A chat or messages request's prompt token ids, worked out on the tokenizing thread."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, tokenizer.encode_request, payload, path)
 
     def _tokens(self, deployment: DeploymentInfo, payload: dict, path: str) -> array | None:
-        tokenizer = self._tokenizer(deployment)
+        tokenizer = self.tokenizer_for(deployment)
         if tokenizer is None:
             return None
         prompt = payload.get("prompt")
