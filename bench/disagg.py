@@ -1,8 +1,8 @@
 """Prefill/decode disaggregation and the CPU KV tier on simulated engines at fleet scale, on the agentic workload
-of bench/routing.py, through the router (policy precise).
+of bench/prefix_routing.py, through the router (policy precise).
 
-    .venv/bin/python bench/disagg.py            # full: 20 agent sessions over 30 s, 4 scenarios, about 4 minutes
-    .venv/bin/python bench/disagg.py --quick    # 6 sessions over 10 s, about 2 minutes
+    .venv/bin/python -m bench.disagg            # full: 20 agent sessions over 30 s, 4 scenarios, about 4 minutes
+    .venv/bin/python -m bench.disagg --quick    # 6 sessions over 10 s, about 2 minutes
 
 Scenarios, each on freshly started engines and a freshly started router:
 
@@ -15,59 +15,53 @@ Scenarios, each on freshly started engines and a freshly started router:
 
 Every request is an open-loop streamed /v1/completions (prompt as token ids); TTFT and the inter-token latency are
 taken from the arrival times of the streamed chunks at the client. Setup (database, key, deployment, KV-event
-ingester, /metrics scraper, router) reuses bench/routing.py. It uses the database `bench_disagg` (dropped and
-re-created) and Redis database 13 (flushed) on DATABASE_URL / REDIS_URL (defaults: the local PostgreSQL and Redis).
-Every process started here runs in its own session and is stopped at the end, on error and on Ctrl-C.
+ingester, /metrics scraper, router) reuses bench/prefix_routing.py. It uses the database `bench_disagg` (dropped
+and re-created) and Redis database 13 (flushed) on DATABASE_URL / REDIS_URL (defaults: the local PostgreSQL and
+Redis). Every process started here runs in its own session and is stopped at the end, on error and on Ctrl-C.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import datetime as dt
-import importlib.util
 import json
 import os
-import signal
 import statistics
-import sys
 import time
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
-_spec = importlib.util.spec_from_file_location("bench_routing", BENCH / "routing.py")
-rb = importlib.util.module_from_spec(_spec)  # bench/routing.py, not the `routing` Django app
-_spec.loader.exec_module(rb)
-ro, wl, streamed = rb.ro, rb.wl, rb.streamed
-ROOT, PYTHON, MODEL, STATE = ro.ROOT, ro.PYTHON, ro.MODEL, ro.STATE
-sys.path.insert(0, str(ROOT))  # ahead of bench/, so `routing` is the app
+from bench import harness as h
+from bench import prefix_routing as rb
+from bench import routing_workloads as wl
+from bench import streamed
+from bench.docs_section import write_section
+
+ROOT, PYTHON, MODEL, STATE = h.ROOT, h.PYTHON, h.MODEL, h.STATE
 
 BENCH_DB = "bench_disagg"
 BENCH_REDIS_DB = 13
 BLOCK = rb.BLOCK
-KV_BLOCKS = rb.KV_BLOCKS  # 2048 blocks per engine, as in bench/routing.py
+KV_BLOCKS = rb.KV_BLOCKS  # 2048 blocks per engine, as in bench/prefix_routing.py
 TIGHT_BLOCKS = 104  # 13,312 tokens per engine: one long agent context (up to 96 blocks) at a time
 CPU_BLOCKS = 2048
 MAX_OUTPUT = 32  # enough streamed tokens per request for an inter-token latency
 PD_THRESHOLD = 512
 SIM_TIMING = {
-    "--prefill-time-per-token": "0.00003",  # as bench/routing.py: 30 us per uncached prompt token
+    "--prefill-time-per-token": "0.00003",  # as bench/prefix_routing.py: 30 us per uncached prompt token
     "--prefill-overhead": "0.005",
     "--decode-time": "0.01",  # 10 ms per token with one sequence running
-    "--decode-time-per-seq": "0.003",  # + 3 ms per other running sequence (6x bench/routing.py's 0.5 ms)
+    "--decode-time-per-seq": "0.003",  # + 3 ms per other running sequence (6x prefix_routing's 0.5 ms)
     "--max-num-seqs": "32",
     "--kv-transfer-time-per-token": "0.000002",  # NIXL pull: 2 us per token (15x cheaper than recomputing)
 }
 SCENARIOS = ["pd", "aggregated", "tight", "tight+cpu"]
 
 
-def log(message: str) -> None:
-    ro.log(message)
+log = h.log
 
 
 class Engine(rb.Engine):
-    """bench/routing.py's simulated engine, with a role, a KV capacity and extra flags."""
+    """bench/prefix_routing.py's simulated engine, with a role, a KV capacity and extra flags."""
 
     def __init__(self, index: int, role: str, blocks: int, extra: list[str], nixl_role: str | None):
         super().__init__(index)
@@ -77,7 +71,7 @@ class Engine(rb.Engine):
         self.nixl_role = nixl_role
         self.name = f"{MODEL}-{role}-{index}"
 
-    def start(self, procs: ro.Processes) -> None:
+    def start(self, procs: h.Processes) -> None:
         events = {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
@@ -97,7 +91,7 @@ class Engine(rb.Engine):
             transfer = {"kv_connector": "NixlConnector", "kv_role": self.nixl_role, "kv_buffer_device": "cpu"}
             argv += ["--kv-transfer-config", json.dumps(transfer)]
             env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
-            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(ro.free_port())
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(h.free_port())
         argv += self.extra
         self.proc = procs.start(f"disagg-engine-{self.role}-{self.index}", argv, core=None, env=env)
 
@@ -222,10 +216,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
-
-
 def run_scenario(procs, env, rclient, scenario, reqs, bodies) -> dict:
     engines = engines_for(scenario)
     for engine in engines:
@@ -274,28 +264,23 @@ def main(argv: list[str]) -> int:
     started = time.monotonic()
     STATE.mkdir(parents=True, exist_ok=True)
     docs = Path(args.docs) if args.docs else (None if args.quick else ROOT / "docs" / "benchmarks.md")
-    procs = ro.Processes()
-    signal.signal(signal.SIGTERM, _interrupt)
-    redis_url = ro.with_path(os.environ["REDIS_URL"], f"/{BENCH_REDIS_DB}")
-    scraper = None
-    try:
-        import psycopg
+    redis_url = h.with_path(os.environ["REDIS_URL"], f"/{BENCH_REDIS_DB}")
+    with h.Processes() as procs:
+        procs.after_stop(lambda: h.flush_redis(redis_url))
         import redis
 
         rclient = redis.Redis.from_url(redis_url)
         rclient.flushdb()
-        with psycopg.connect(os.environ["DATABASE_URL"], autocommit=True) as conn:
-            conn.execute(f"DROP DATABASE IF EXISTS {BENCH_DB} WITH (FORCE)")
-            conn.execute(f"CREATE DATABASE {BENCH_DB}")
-        env = ro.platform_env(ro.with_path(os.environ["DATABASE_URL"], f"/{BENCH_DB}"), redis_url)
+        env = h.platform_env(h.fresh_database(os.environ["DATABASE_URL"], BENCH_DB), redis_url)
         log(f"database {BENCH_DB} (dropped and re-created), Redis db {BENCH_REDIS_DB} (flushed)")
-        ro.migrate(env)
+        h.migrate(env)
         os.environ.update(env)
         import django
 
         django.setup()
         scraper = rb.Scraper()
         scraper.start()
+        procs.before_stop(scraper.stop.set)
 
         sessions, duration = (6, 10.0) if args.quick else (20, 30.0)
         reqs, info = wl.agentic(sessions, duration, MAX_OUTPUT)
@@ -314,32 +299,19 @@ def main(argv: list[str]) -> int:
         print()
         print(block)
         if docs:
-            ro.write_section(docs, "disagg", block, "Prefill/decode disaggregation", "bench/disagg.py")
+            write_section(docs, "disagg", block, "Prefill/decode disaggregation", "bench/disagg.py")
             log(f"wrote {docs}")
         log(f"done in {time.monotonic() - started:.0f} s")
         return 0
-    except KeyboardInterrupt:
-        log("interrupted; stopping everything")
-        return 130
-    finally:
-        if scraper is not None:
-            scraper.stop.set()
-        procs.stop_all()
-        with contextlib.suppress(Exception):
-            import redis
-
-            redis.Redis.from_url(redis_url).flushdb()
 
 
 def report(args, argv, rows, meta) -> str:
-    when = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    command = (".venv/bin/python bench/disagg.py " + " ".join(argv)).strip()
     fmt = rb.fmt
     lines = [
         f"### {'Quick' if args.quick else 'Full'} run",
         "",
-        f"- Date: {when}. Machine: {ro.machine()}. Command: `{command}`. Router at commit {rb.git_head()}.",
-        f"- Workload: bench/routing.py's agentic generator, {meta['sessions']} sessions, {meta['n']} requests "
+        h.header("disagg", argv) + f" Router at commit {h.git_head()}.",
+        f"- Workload: bench/routing_workloads.py's agentic generator, {meta['sessions']} sessions, {meta['n']} requests "
         f"({meta['subagent_requests']} from {meta['bursts']} sub-agent bursts) over {meta['span']:.0f} s, mean "
         f"prompt {meta['prompt_tokens'] / meta['n']:,.0f} tokens, `max_tokens` {MAX_OUTPUT} with `ignore_eos`; "
         f"open loop, streamed /v1/completions, one connection per request. Prefix ceiling (one infinite cache) "
@@ -378,4 +350,4 @@ def report(args, argv, rows, meta) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    h.run(main)

@@ -8,11 +8,12 @@
 - the router's whole per-turn cost for the next turn of a ~200K-token tool-using session, Claude Code-shaped and
   OpenAI-shaped: parse the body, render it as the engine will, tokenise, block keys, the precise index lookup.
 
-    .venv/bin/python bench/hot_path.py     (re-runs itself under the dev stack when REDIS_URL is unset)
+    .venv/bin/python -m bench.hot_path     (re-runs itself under the dev stack when REDIS_URL is unset)
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import gc
 import json
@@ -23,8 +24,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from bench import harness as h
+
+ROOT = h.ROOT
 
 BLOCK = 128
 BLOCKS = 1563
@@ -266,13 +268,10 @@ async def bench_agent_turn(redis_url: str) -> list[tuple]:
     return rows
 
 
-def main() -> None:
-    redis_url = os.environ.get("REDIS_URL")
-    if not redis_url:
-        os.execv(
-            sys.executable,
-            [sys.executable, "-m", "inference_platform.devstack", "exec", "--", sys.executable, *sys.argv],
-        )
+def main(argv: list[str]) -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
+    h.under_devstack("hot_path", argv, ("REDIS_URL",))
+    redis_url = os.environ["REDIS_URL"]
     rows = asyncio.run(bench_lookup(redis_url)) + bench_tokenize() + asyncio.run(bench_agent_turn(redis_url))
     print(f"{'measure':58} {'n':>5} {'median ms':>10} {'p90 ms':>9}  note")
     for name, n, median, p90, note in rows:
@@ -280,4 +279,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

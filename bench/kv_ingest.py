@@ -1,9 +1,9 @@
 """KV-event ingestion throughput: blocks per second from msgpack event batches into the real Redis index.
 
-    PLATFORM_STATE_DIR=.local/bench-kv .venv/bin/python -m inference_platform.devstack exec -- \\
-        .venv/bin/python bench/kv_ingest.py
+    .venv/bin/python -m bench.kv_ingest
 
-Needs REDIS_URL (the devstack sets it); uses Redis database 15 and deletes its px:/pxe: keys before and after.
+Without REDIS_URL it re-runs itself under the devstack (state in .local/bench-kv); uses Redis database 15 and
+deletes its px:/pxe: keys before and after.
 Two paths per batch shape, both single-threaded in this process:
 - handle: pre-encoded batches through KVIngester.handle (sequence check, msgpack decode, router keys, writes
   sent as one script call per 256 batches, as a busy poll round drains them);
@@ -29,7 +29,8 @@ import msgpack
 import redis
 import zmq
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import harness as h
+
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "inference_platform.settings")
 
 BLOCK = 128
@@ -143,16 +144,12 @@ def run_zmq(client: redis.Redis, payloads: list[bytes]) -> tuple[float, float]:
     return elapsed, cpu
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batches", type=int, default=20_000)
     parser.add_argument("--blocks", type=int, nargs="+", default=[1, 4, 8, 16])
-    args = parser.parse_args()
-    if not os.environ.get("REDIS_URL"):
-        print(
-            "REDIS_URL is not set: run under `python -m inference_platform.devstack exec --`", file=sys.stderr
-        )
-        return 2
+    args = parser.parse_args(argv)
+    h.under_devstack("kv_ingest", argv, ("REDIS_URL",), state_dir=".local/bench-kv")
     import django
 
     django.setup()
@@ -177,4 +174,4 @@ def main() -> int:
 
 if __name__ == "__main__":
     threading.current_thread().name = "bench"
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

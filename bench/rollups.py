@@ -5,7 +5,7 @@ bulk load would), rolls them up, adds fresh records the roll-up has not reached 
 `usage_report` for the month by tenant, team, key, model and day, and compares with the ledger scanned
 directly. Every report's totals are checked against the ledger's sums.
 
-    .venv/bin/python bench/rollups.py [--records 10000000]   (runs under its own embedded PostgreSQL)
+    .venv/bin/python -m bench.rollups [--records 10000000]   (runs under its own embedded PostgreSQL)
 """
 
 from __future__ import annotations
@@ -16,27 +16,20 @@ import statistics
 import sys
 import time
 from datetime import UTC, date, datetime
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from bench import harness as h
 
 MONTH = date(2025, 3, 1)
 FRESH = 20_000  # records newer than the last roll-up, read from the ledger
 CHUNK = 1_000_000
 
 
-def main() -> None:
+def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--records", type=int, default=10_000_000)
     parser.add_argument("--repeat", type=int, default=5)
-    args = parser.parse_args()
-    if not os.environ.get("DATABASE_URL"):
-        os.environ.setdefault("PLATFORM_STATE_DIR", str(ROOT / ".local" / "bench-rollups"))
-        os.execv(
-            sys.executable,
-            [sys.executable, "-m", "inference_platform.devstack", "exec", "--", sys.executable, *sys.argv],
-        )
+    args = parser.parse_args(argv)
+    h.under_devstack("rollups", argv, ("DATABASE_URL",), state_dir=".local/bench-rollups")
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "inference_platform.settings")
     import django
 
@@ -203,4 +196,4 @@ def run(repeat: int) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

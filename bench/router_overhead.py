@@ -1,8 +1,8 @@
 """What our router adds to a streamed chat completion, next to the gateways users would otherwise pick.
 
-    .venv/bin/python bench/router_overhead.py            # 3 interleaved rounds, about 8 minutes
-    .venv/bin/python bench/router_overhead.py --quick    # 1 round, about 2-3 minutes
-    .venv/bin/python bench/router_overhead.py --upstream replay   # a replaying upstream instead of the simulator
+    .venv/bin/python -m bench.router_overhead            # 3 interleaved rounds, about 8 minutes
+    .venv/bin/python -m bench.router_overhead --quick    # 1 round, about 2-3 minutes
+    .venv/bin/python -m bench.router_overhead --upstream replay   # a replaying upstream instead of the simulator
 
 Without DATABASE_URL and REDIS_URL it re-runs itself under `python -m inference_platform.devstack exec`, which
 starts an embedded PostgreSQL and Redis. It then creates a dedicated database (`bench_router_overhead`, dropped
@@ -27,43 +27,53 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
-import http.client
 import json
 import os
 import platform
 import re
-import secrets
 import select
 import shutil
 import signal
 import statistics
 import subprocess
-import sys
-import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench.docs_section import write_section
+from bench.harness import (
+    MODEL,
+    PEERS,
+    PYTHON,
+    ROOT,
+    STATE,
+    Installer,
+    Processes,
+    command,
+    free_port,
+    fresh_database,
+    http_get,
+    http_post,
+    log,
+    log_tail,
+    machine,
+    migrate,
+    now,
+    peer_env,
+    platform_env,
+    quiesce,
+    run,
+    tree_cpu,
+    under_devstack,
+    wait_until,
+    with_path,
+)
 
-from docs_section import write_section  # noqa: E402
-
-from inference_platform.ports import free_port  # noqa: E402
-
-STATE = ROOT / ".local" / "bench"
-PYTHON = sys.executable
-MODEL = "tiny-qwen"
 BENCH_DB = "bench_router_overhead"
 BENCH_REDIS_DB = 15
 GATEWAY_CORE, CLIENT_CORE = "0", "1"
 CONCURRENCIES = (1, 16, 64, 256)
-PEERS = {
-    "vllm-router": {"spec": "vllm-router==0.1.17", "bin": "vllm-router"},
-    "litellm": {"spec": "litellm[proxy]==1.108.7", "bin": "litellm"},
-}
 PYSPY_SPEC = "py-spy==0.4.3"
 LITELLM_MASTER_KEY = "sk-bench-" + "7f3a9c2e41d8"
 TARGETS = {"rps": 1000.0, "ttfb_p50_c1_ms": 1.0, "ttfb_p99_c16_ms": 5.0}
@@ -95,133 +105,6 @@ def prompt_body() -> bytes:
     return json.dumps(payload, separators=(",", ":")).encode()
 
 
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-# --- processes ------------------------------------------------------------------------------------------
-
-
-class Processes:
-    """Every child this benchmark starts, each in its own session, stopped (group and all) at the end."""
-
-    def __init__(self):
-        self.children: list[tuple[str, subprocess.Popen]] = []
-
-    def start(self, name: str, argv: list[str], *, core: str | None, env: dict | None = None, **kw):
-        if core is not None:
-            argv = ["taskset", "-c", core, *argv]
-        log_path = STATE / "logs" / f"{name}.log"
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        out = kw.pop("stdout", None) or log_path.open("wb")
-        full_env = kw.pop("full_env", None) or {**os.environ, **(env or {})}
-        proc = subprocess.Popen(
-            argv,
-            cwd=kw.pop("cwd", ROOT),
-            env=full_env,
-            stdout=out,
-            stderr=kw.pop("stderr", subprocess.STDOUT),
-            start_new_session=True,
-            **kw,
-        )
-        self.children.append((name, proc))
-        return proc
-
-    def stop(self, proc: subprocess.Popen, timeout: float = 8.0) -> None:
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        # Whatever the child left behind in its session (LiteLLM forks workers).
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-
-    def stop_all(self) -> None:
-        for _, proc in reversed(self.children):
-            with contextlib.suppress(Exception):
-                self.stop(proc)
-        self.children.clear()
-
-
-def log_tail(name: str, chars: int = 2000) -> str:
-    path = STATE / "logs" / f"{name}.log"
-    return path.read_text(errors="replace")[-chars:] if path.exists() else ""
-
-
-def tree_cpu(pid: int) -> float:
-    """CPU seconds (user + system) of a process and its descendants."""
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0.0
-    total = 0.0
-    for p in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            t = p.cpu_times()
-            total += t.user + t.system
-    return total
-
-
-def quiesce(pid: int, limit: float) -> float:
-    """Wait until the process tree is idle (under 10 % of a core over 0.2 s); return the seconds waited."""
-    start = time.monotonic()
-    last = tree_cpu(pid)
-    while time.monotonic() - start < limit:
-        time.sleep(0.2)
-        now = tree_cpu(pid)
-        if now - last < 0.02:
-            break
-        last = now
-    return time.monotonic() - start
-
-
-# --- HTTP helpers ---------------------------------------------------------------------------------------
-
-
-def http_get(port: int, path: str, timeout: float = 2.0) -> int:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        conn.request("GET", path)
-        resp = conn.getresponse()
-        resp.read()
-        return resp.status
-    finally:
-        conn.close()
-
-
-def http_post(port: int, path: str, body: bytes, headers: dict, timeout: float = 30.0) -> tuple[int, bytes]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        conn.request("POST", path, body=body, headers={"Content-Type": "application/json", **headers})
-        resp = conn.getresponse()
-        return resp.status, resp.read()
-    finally:
-        conn.close()
-
-
-def wait_until(check, proc: subprocess.Popen, name: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    last_error = ""
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{name} exited with {proc.returncode}:\n{log_tail(name)}")
-        try:
-            if check():
-                return
-        except (OSError, http.client.HTTPException) as exc:
-            last_error = repr(exc)
-        time.sleep(0.25)
-    raise TimeoutError(f"{name} not ready after {timeout:.0f} s ({last_error}):\n{log_tail(name)}")
-
-
 def check_stream(body: bytes) -> str | None:
     """None if the body is the workload's stream (16 content chunks, usage, [DONE]), else what is wrong."""
     events = [e for e in body.split(b"\n\n") if e.strip()]
@@ -233,106 +116,6 @@ def check_stream(body: bytes) -> str | None:
     if len(content) != 16 or len(usage) != 1:
         return f"{len(content)} content chunks and {len(usage)} usage chunks (want 16 and 1)"
     return None
-
-
-# --- installing peers -----------------------------------------------------------------------------------
-
-
-def venv_install(name: str, spec: str, timeout: float) -> Path:
-    """A virtual environment under .local/bench/<name> with `spec` installed; reused when already there."""
-    venv = STATE / name
-    stamp = venv / ".bench-installed"
-    if stamp.exists() and stamp.read_text() == spec:
-        return venv
-    shutil.rmtree(venv, ignore_errors=True)
-    log_path = STATE / "logs" / f"install-{name}.log"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    uv = shutil.which("uv", path=str(Path(PYTHON).parent)) or shutil.which("uv")
-    with log_path.open("wb") as out:
-        if uv:
-            cmds = [
-                [uv, "venv", "--python", PYTHON, str(venv)],
-                [uv, "pip", "install", "--python", str(venv / "bin" / "python"), spec],
-            ]
-        else:
-            cmds = [
-                [PYTHON, "-m", "venv", str(venv)],
-                [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", spec],
-            ]
-        deadline = time.monotonic() + timeout
-        for cmd in cmds:
-            subprocess.run(
-                cmd,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                check=True,
-                timeout=max(1.0, deadline - time.monotonic()),
-            )
-    stamp.write_text(spec)
-    return venv
-
-
-class Installer(threading.Thread):
-    def __init__(self, name: str, spec: str, timeout: float):
-        super().__init__(daemon=True)
-        self.name_, self.spec, self.timeout = name, spec, timeout
-        self.venv: Path | None = None
-        self.error = ""
-
-    def run(self) -> None:
-        try:
-            self.venv = venv_install(self.name_, self.spec, self.timeout)
-        except subprocess.TimeoutExpired:
-            self.error = f"install of {self.spec} took over {self.timeout:.0f} s"
-        except Exception as exc:  # noqa: BLE001 - reported in the table
-            tail = log_tail(f"install-{self.name_}", 600)
-            self.error = f"install of {self.spec} failed ({exc.__class__.__name__}): {tail.strip()[-300:]}"
-
-
-# --- the platform's side: database, Redis, objects ------------------------------------------------------
-
-
-def with_path(url: str, path: str) -> str:
-    parts = urlsplit(url)
-    return urlunsplit(parts._replace(path=path))
-
-
-def prepare_database(base_url: str) -> str:
-    import psycopg
-
-    url = with_path(base_url, f"/{BENCH_DB}")
-    with psycopg.connect(base_url, autocommit=True) as conn:
-        conn.execute(f"DROP DATABASE IF EXISTS {BENCH_DB} WITH (FORCE)")
-        conn.execute(f"CREATE DATABASE {BENCH_DB}")
-    return url
-
-
-def platform_env(database_url: str, redis_url: str) -> dict[str, str]:
-    """A production-like environment (DEBUG off) with throwaway secrets kept under .local/bench."""
-    secret_file = STATE / "secrets.json"
-    if secret_file.exists():
-        values = json.loads(secret_file.read_text())
-    else:
-        values = {"SECRET_KEY": secrets.token_urlsafe(50), "API_KEY_PEPPER": secrets.token_urlsafe(32)}
-        secret_file.write_text(json.dumps(values))
-    return {
-        "DATABASE_URL": database_url,
-        "REDIS_URL": redis_url,
-        "DEBUG": "false",
-        "ALLOWED_HOSTS": "127.0.0.1,localhost",
-        "DJANGO_SETTINGS_MODULE": "inference_platform.settings",
-        **values,
-    }
-
-
-def migrate(env: dict) -> None:
-    subprocess.run(
-        [PYTHON, "manage.py", "migrate", "--no-input", "-v", "0"],
-        cwd=ROOT,
-        env={**os.environ, **env},
-        check=True,
-        timeout=300,
-    )
 
 
 def create_objects(env: dict, upstream_url: str) -> dict[str, str]:
@@ -391,9 +174,11 @@ def clean_redis(redis_url: str) -> None:
     """Drop what the runs wrote into the benchmark's Redis database (usage events, quota counters)."""
     import redis
 
+    from inference_platform.config_version import CONFIG_VERSION_KEY
+
     client = redis.Redis.from_url(redis_url)
     try:
-        for pattern in ("usage:*", "q:*", "endpoint:load:*", "platform:config:version"):
+        for pattern in ("usage:*", "q:*", "endpoint:load:*", CONFIG_VERSION_KEY):
             keys = list(client.scan_iter(match=pattern, count=1000))
             for i in range(0, len(keys), 500):
                 client.delete(*keys[i : i + 500])
@@ -456,21 +241,6 @@ def start_router(
     proc = procs.start(name, argv, core=GATEWAY_CORE, env=env, cwd=source)
     wait_until(lambda: http_get(port, "/health") == 200, proc, "router", 120)
     return proc, port
-
-
-# The platform's settings must not leak into the peers (LiteLLM reads DATABASE_URL and then wants Prisma).
-PLATFORM_VARS = (
-    "DATABASE_URL",
-    "REDIS_URL",
-    "SECRET_KEY",
-    "API_KEY_PEPPER",
-    "DJANGO_SETTINGS_MODULE",
-    "DEBUG",
-)
-
-
-def peer_env(extra: dict | None = None) -> dict:
-    return {k: v for k, v in {**os.environ, **(extra or {})}.items() if k not in PLATFORM_VARS}
 
 
 def start_vllm_router(procs: Processes, venv: Path, upstream: str) -> tuple[subprocess.Popen, int]:
@@ -795,16 +565,6 @@ def _short(frame: str) -> str:
 # --- the report -----------------------------------------------------------------------------------------
 
 
-def machine() -> str:
-    model = ""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    return f"{model or platform.processor()}, {os.cpu_count()} cores, Linux {platform.release()}"
-
-
 def versions(peer_venvs: dict) -> str:
     from importlib.metadata import version
 
@@ -853,10 +613,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
-
-
 def baseline_worktree(rev: str) -> Path:
     """A detached worktree of `rev` under .local/bench/, made afresh, whose router runs beside this one."""
     path = STATE / "baseline"
@@ -870,14 +626,7 @@ def baseline_worktree(rev: str) -> Path:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    if not (os.environ.get("DATABASE_URL") and os.environ.get("REDIS_URL")):
-        if os.environ.get("BENCH_UNDER_DEVSTACK"):
-            raise SystemExit("the devstack did not provide DATABASE_URL and REDIS_URL")
-        log("no DATABASE_URL / REDIS_URL: re-running under the devstack (embedded PostgreSQL and Redis)")
-        env = {**os.environ, "BENCH_UNDER_DEVSTACK": "1"}
-        cmd = [PYTHON, "-m", "inference_platform.devstack", "exec", "--", PYTHON, str(Path(__file__)), *argv]
-        os.chdir(ROOT)
-        os.execve(PYTHON, cmd, env)
+    under_devstack("router_overhead", argv, ("DATABASE_URL", "REDIS_URL"))
 
     quick = args.quick
     rounds = args.rounds or (1 if quick else 3)
@@ -890,12 +639,11 @@ def main(argv: list[str]) -> int:
     if shutil.which("taskset") is None or (os.cpu_count() or 1) < 2:
         raise SystemExit("needs `taskset` and at least 2 cores (gateways on core 0, clients on core 1)")
 
-    procs = Processes()
-    signal.signal(signal.SIGTERM, _interrupt)
     started = time.monotonic()
     installers: dict[str, Installer] = {}
     redis_url = with_path(os.environ["REDIS_URL"], f"/{BENCH_REDIS_DB}")
-    try:
+    with Processes() as procs:
+        procs.after_stop(lambda: clean_redis(redis_url))
         if not args.skip_peers:
             for name, peer in PEERS.items():
                 installers[name] = Installer(name, peer["spec"], 600)
@@ -906,7 +654,7 @@ def main(argv: list[str]) -> int:
             pyspy_installer.start()
 
         log(f"database {BENCH_DB} (dropped and re-created), Redis db {BENCH_REDIS_DB}")
-        env = platform_env(prepare_database(os.environ["DATABASE_URL"]), redis_url)
+        env = platform_env(fresh_database(os.environ["DATABASE_URL"], BENCH_DB), redis_url)
         migrate(env)
         clean_redis(redis_url)
 
@@ -1027,16 +775,15 @@ def main(argv: list[str]) -> int:
                     )
                     profile.append("")
 
-        when = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-        command = ".venv/bin/python bench/router_overhead.py " + " ".join(argv)
         block = "\n".join(
             [
                 f"### Upstream: {args.upstream} ({'quick, ' if quick else ''}{rounds_run} round"
                 f"{'s' if rounds_run > 1 else ''}, {warmup:g} s warm-up + {duration:g} s per point)",
                 "",
-                f"- Date: {when}. Machine: {machine()}.",
+                f"- Date: {now()}. Machine: {machine()}.",
                 f"- Versions: {versions(peer_venvs)}.",
-                f"- Command: `{command.strip()}`" + (f" ({stopped_early})" if stopped_early else ""),
+                f"- Command: `{command('router_overhead', argv)}`"
+                + (f" ({stopped_early})" if stopped_early else ""),
                 "- Placement: gateway on core 0 (`taskset -c 0`); upstream and load generator on core 1; "
                 "PostgreSQL and Redis unpinned. Our router: one uvicorn worker, uvloop, httptools, no access log, "
                 "DEBUG off.",
@@ -1067,14 +814,7 @@ def main(argv: list[str]) -> int:
             log(f"wrote {docs.relative_to(ROOT) if docs.is_relative_to(ROOT) else docs}")
         log(f"done in {time.monotonic() - started:.0f} s")
         return 0
-    except KeyboardInterrupt:
-        log("interrupted; stopping everything")
-        return 130
-    finally:
-        procs.stop_all()
-        with contextlib.suppress(Exception):
-            clean_redis(redis_url)
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    run(main)

@@ -1,5 +1,5 @@
-"""Workloads for bench/routing.py: Mooncake trace subsets, a synthetic agentic workload, token expansion and the
-prefix-reuse ceilings.
+"""Workloads for bench/prefix_routing.py: Mooncake trace subsets, a synthetic agentic workload, token expansion and
+the prefix-reuse ceilings.
 
 A request is a list of 512-token "id blocks" (the traces' hash ids) plus its prompt length; each id expands to a
 fixed block of 512 token ids in [100, 4000) (the tiny model's vocabulary is 4096), the same id always the same

@@ -1,4 +1,4 @@
-"""The benchmarks' open-loop streamed client (bench/routing.py, bench/disagg.py): each request to its own path,
+"""The benchmarks' open-loop streamed client (bench/prefix_routing.py, bench/disagg.py): each request to its own path,
 /v1/completions (token ids), /v1/chat/completions or /v1/messages (agent sessions as text).
 
 Each request is sent at its own time from the start of the replay (`Req.at`), on a fresh connection, to router
@@ -15,7 +15,7 @@ import asyncio
 import json
 import time
 
-import routing_workloads as wl
+from bench import routing_workloads as wl
 
 COMPLETIONS = "/v1/completions"
 MESSAGES = "/v1/messages"

@@ -1,23 +1,18 @@
-"""The router's ASGI application (Channels): the /v1 data plane agents call.
+"""The router's ASGI application: the /v1 data plane agents call, with their API keys.
 
 Run it with an ASGI server, e.g. `uvicorn inference_platform.asgi:application --loop uvloop --http httptools`.
-The admin, the portal and the REST API are served by the WSGI app (gunicorn) instead.
+HTTP and lifespan only: the admin, the portal (its live-traffic WebSocket included) and the REST API are the web
+side's (inference_platform/web_asgi.py), so operators' session cookies never reach the router's port.
 """
 
 import os
 
-from channels.routing import ProtocolTypeRouter
 from django.core.asgi import get_asgi_application
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "inference_platform.settings")
 
-django_asgi_app = get_asgi_application()  # sets Django up before the router imports models
+get_asgi_application()  # sets Django up before the router imports models
 
-from portal.routing import websocket_application  # noqa: E402
 from routing.app import Router  # noqa: E402
 
-router = Router()
-
-application = ProtocolTypeRouter(
-    {"http": router, "lifespan": router, "websocket": websocket_application()}  # portal's live traffic
-)
+application = Router()

@@ -147,8 +147,9 @@ except Exception as exc:
 
 
 def serve(env: dict[str, str]) -> int:
-    """Migrate, create the demo objects and serve the admin, the API, the Celery worker and beat until
-    interrupted; then stop them and every engine the worker started."""
+    """Migrate, create the demo objects (serving/management/commands/bootstrap_demo.py) and serve the web side
+    (admin, portal with its live WebSocket, API), the router, the Celery worker and beat and the KV-event
+    ingester until interrupted; then stop them and every engine the worker started."""
     python = sys.executable
     for step in (
         [python, "manage.py", "migrate", "--no-input"],
@@ -160,7 +161,10 @@ def serve(env: dict[str, str]) -> int:
             return code
     bind = os.environ.get("WEB_BIND", "127.0.0.1:8000")
     router_host, _, router_port = os.environ.get("ROUTER_BIND", "127.0.0.1:8080").rpartition(":")
-    print(f"devstack: admin at http://{bind}/admin/ , API docs at http://{bind}/api/docs/", file=sys.stderr)
+    print(
+        f"devstack: admin at http://{bind}/admin/ , portal at http://{bind}/portal/ , API docs at http://{bind}/api/docs/",
+        file=sys.stderr,
+    )
     print(f"devstack: agents call http://{router_host}:{router_port}/v1", file=sys.stderr)
     print(f"devstack: engine logs in {state_dir() / 'engines'}", file=sys.stderr)
     # Engines run in sessions of their own (they outlive worker restarts): stop any left by an earlier run
@@ -169,8 +173,20 @@ def serve(env: dict[str, str]) -> int:
     run_command(stop_engines, env)
     celery = [python, "-m", "celery", "-A", "inference_platform"]
     commands = [
-        [python, "-m", "gunicorn", "inference_platform.wsgi", "--bind", bind, "--workers", "2"],
-        # The /v1 router (ASGI, Channels) in its own process.
+        # The web side: admin, API, portal and the portal's live-traffic WebSocket (ASGI, uvicorn workers).
+        [
+            python,
+            "-m",
+            "gunicorn",
+            "inference_platform.web_asgi:application",
+            "--worker-class",
+            "uvicorn_worker.UvicornWorker",
+            "--bind",
+            bind,
+            "--workers",
+            "2",
+        ],
+        # The /v1 router (ASGI) in its own process, on its own port: API keys only, no session cookies.
         [
             python,
             "-m",

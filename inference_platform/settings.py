@@ -4,6 +4,7 @@ DEBUG is off unless asked for. With DEBUG off, SECRET_KEY and API_KEY_PEPPER mus
 HTTPS hardening below is on, so production settings pass `manage.py check --deploy`.
 """
 
+from datetime import timedelta
 from pathlib import Path
 
 import dj_database_url
@@ -45,7 +46,8 @@ INSTALLED_APPS = [
     "whitenoise.runserver_nostatic",
     "django.contrib.staticfiles",
     "rest_framework",
-    "rest_framework.authtoken",
+    "knox",
+    "axes",
     "django_filters",
     "drf_spectacular",
     "drf_spectacular_sidecar",
@@ -65,11 +67,14 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    # Last: turns a sign-in refused for too many failures into its 429 page.
+    "axes.middleware.AxesMiddleware",
 ]
 
 ROOT_URLCONF = "inference_platform.urls"
 WSGI_APPLICATION = "inference_platform.wsgi.application"
-ASGI_APPLICATION = "inference_platform.asgi.application"
+# The web side (admin, portal and its WebSocket, REST API); the router is inference_platform/asgi.py.
+ASGI_APPLICATION = "inference_platform.web_asgi.application"
 
 TEMPLATES = [
     {
@@ -122,11 +127,21 @@ CELERY_TASK_ALWAYS_EAGER = env_bool("CELERY_TASK_ALWAYS_EAGER", False)
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 # Every deployment is reconciled this often, whatever changed; a change also enqueues its own reconcile.
 RECONCILE_INTERVAL_S = env_int("RECONCILE_INTERVAL_S", 5)
+# The autoscaler (serving/autoscaling.py): how often it decides, over how long a window it reads TTFT and ITL,
+# and the start-up time it assumes for a pool none of whose engines has started yet.
+AUTOSCALER_INTERVAL_S = float(env_secret("AUTOSCALER_INTERVAL_S") or 5.0)
+AUTOSCALER_LATENCY_WINDOW_S = float(env_secret("AUTOSCALER_LATENCY_WINDOW_S") or 60.0)
+AUTOSCALER_DEFAULT_STARTUP_S = float(env_secret("AUTOSCALER_DEFAULT_STARTUP_S") or 60.0)
 CELERY_BEAT_SCHEDULE = {
     "reconcile-all-deployments": {
         "task": "serving.tasks.reconcile_all",
         "schedule": RECONCILE_INTERVAL_S,
         "options": {"expires": RECONCILE_INTERVAL_S},
+    },
+    "autoscale-pools": {
+        "task": "serving.tasks.autoscale",
+        "schedule": AUTOSCALER_INTERVAL_S,
+        "options": {"expires": AUTOSCALER_INTERVAL_S},
     },
     "scrape-engine-metrics": {
         "task": "routing.tasks.scrape_engine_metrics",
@@ -147,6 +162,10 @@ ENGINE_STOP_GRACE_S = env_int("ENGINE_STOP_GRACE_S", 10)
 # stopped, and restarts with backoff like a crashed one.
 ENGINE_HUNG_RESTART_S = env_int("ENGINE_HUNG_RESTART_S", 60)
 ENGINE_RESTART_BACKOFF_S = env_int("ENGINE_RESTART_BACKOFF_S", 2)
+# A replica chosen for removal gets no new requests and is stopped once its requests end, or after this long.
+ENGINE_DRAIN_TIMEOUT_S = env_int("ENGINE_DRAIN_TIMEOUT_S", 600)
+# A Kubernetes engine pod told to stop first waits this long (preStop), until routers no longer send it work.
+KUBERNETES_PRESTOP_SLEEP_S = env_int("KUBERNETES_PRESTOP_SLEEP_S", 15)
 ENGINE_RESTART_BACKOFF_MAX_S = env_int("ENGINE_RESTART_BACKOFF_MAX_S", 300)
 
 AUTH_PASSWORD_VALIDATORS = [
@@ -176,19 +195,54 @@ STORAGES = {
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 LOGIN_URL = "admin:login"
 
+# Sign-in throttling for the admin, the portal and the browsable API's forms, and POST /api/auth/token/
+# (django-axes): after AXES_FAILURE_LIMIT failed sign-ins for one username from one client address, that pair is
+# refused (429) for AXES_COOLOFF_MINUTES; a success clears the count. Attempts are in the database (the admin's
+# "Axes" pages; `manage.py axes_reset` unlocks).
+AUTHENTICATION_BACKENDS = [
+    "axes.backends.AxesStandaloneBackend",
+    "django.contrib.auth.backends.ModelBackend",
+]
+AXES_FAILURE_LIMIT = env_int("AXES_FAILURE_LIMIT", 5)
+AXES_COOLOFF_TIME = timedelta(minutes=env_int("AXES_COOLOFF_MINUTES", 15))
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_RESET_ON_SUCCESS = True
+AXES_LOCKOUT_CALLABLE = "inference_platform.sign_in_limits.lockout_response"
+# Behind a TLS proxy the client's address is the one the proxy appends to X-Forwarded-For (TRUSTED_PROXY_COUNT
+# proxies in front of the web process, 1 by default); without one it is the connection's own address.
+TRUSTED_PROXY_COUNT = env_int("TRUSTED_PROXY_COUNT", 1) if env_bool("BEHIND_TLS_PROXY", False) else 0
+AXES_CLIENT_IP_CALLABLE = "inference_platform.sign_in_limits.client_ip"
+
+# Personal API tokens (django-rest-knox): only a SHA-512 digest is stored; each expires.
+REST_KNOX = {
+    "AUTH_HEADER_PREFIX": "Bearer",
+    "TOKEN_PREFIX": "ipt_",
+    "TOKEN_TTL": timedelta(hours=env_int("PERSONAL_TOKEN_TTL_HOURS", 24 * 30)),
+    "TOKEN_LIMIT_PER_USER": env_int("PERSONAL_TOKEN_LIMIT", 20),
+    "AUTO_REFRESH": False,
+}
+
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
         # Bearer first, so an anonymous request is told 401 with a WWW-Authenticate header.
-        "tenants.api.authentication.BearerTokenAuthentication",
+        "tenants.api.authentication.PersonalTokenAuthentication",
         "tenants.api.authentication.ApiKeyAuthentication",
-        "rest_framework.authentication.SessionAuthentication",
+        "tenants.api.authentication.ActiveTenantSessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
-    "DEFAULT_FILTER_BACKENDS": ["django_filters.rest_framework.DjangoFilterBackend"],
-    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
+    "DEFAULT_FILTER_BACKENDS": ["inference_platform.api_query.StrictFilterBackend"],
+    "DEFAULT_PAGINATION_CLASS": "inference_platform.api_query.StrictLimitOffsetPagination",
+    # JSON only: form encodings carry no types (a boolean "0", a nested list flattened) and the schema then
+    # promises what the parser cannot keep.
+    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    "TEST_REQUEST_DEFAULT_FORMAT": "json",
     "PAGE_SIZE": 100,
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "EXCEPTION_HANDLER": "inference_platform.api_errors.exception_handler",
+    # POST /api/auth/token/ per client address (the `login` scope), on top of django-axes.
+    "DEFAULT_THROTTLE_RATES": {"login": env_secret("API_LOGIN_RATE") or "10/minute"},
+    # 0, not DRF's default None, which would key the throttle on a client-written X-Forwarded-For.
+    "NUM_PROXIES": TRUSTED_PROXY_COUNT,
     "DEFAULT_RENDERER_CLASSES": [
         "rest_framework.renderers.JSONRenderer",
         "rest_framework.renderers.BrowsableAPIRenderer",
@@ -205,6 +259,8 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
+    # One name for the priority classes, used by tenants' ceilings, teams, keys and usage records alike.
+    "ENUM_NAME_OVERRIDES": {"PriorityClassEnum": "tenants.models.PriorityClass"},
 }
 
 # HTTPS hardening. On by default whenever DEBUG is off; each can be relaxed explicitly.
@@ -242,6 +298,9 @@ ROUTER_CONFIG_POLL_SECONDS = float(env_secret("ROUTER_CONFIG_POLL_SECONDS") or 1
 # scraped load): a burst of sub-agents comes within a fraction of a second.
 ROUTER_LOAD_SHARE_SECONDS = float(env_secret("ROUTER_LOAD_SHARE_SECONDS") or 0.1)
 ROUTER_SNAPSHOT_MAX_AGE = float(env_secret("ROUTER_SNAPSHOT_MAX_AGE") or 10.0)
+# Flow control's fair share counts each tenant's (and team's) work over roughly this many seconds: its decay time
+# constant (routing/flow.py).
+ROUTER_FAIR_SHARE_WINDOW_S = float(env_secret("ROUTER_FAIR_SHARE_WINDOW_S") or 60.0)
 ROUTER_SPECULATIVE_TTL_SECONDS = float(env_secret("ROUTER_SPECULATIVE_TTL_SECONDS") or 3.0)
 # A precise lookup Redis has not answered by then is routed on the replica's own record instead (a guard
 # against Redis stalls; a lookup normally takes well under a millisecond plus the network's round trip).
@@ -252,6 +311,24 @@ ROUTER_REDIS_MAX_CONNECTIONS = env_int("ROUTER_REDIS_MAX_CONNECTIONS", 256)
 ROUTER_CONNECT_TIMEOUT = float(env_secret("ROUTER_CONNECT_TIMEOUT") or 2.0)
 # Net new container objects between two young-generation garbage collections (Python's default is 700).
 ROUTER_GC_THRESHOLD = env_int("ROUTER_GC_THRESHOLD", 50_000)
+# Keys are refused (503) once the snapshot could not be reloaded for this long (Postgres and Redis both down).
+ROUTER_SNAPSHOT_FAIL_CLOSED_SECONDS = float(env_secret("ROUTER_SNAPSHOT_FAIL_CLOSED_SECONDS") or 60.0)
+# Requests one replica serves at once; past it, a 503 with Retry-After.
+ROUTER_MAX_CONNECTIONS = env_int("ROUTER_MAX_CONNECTIONS", 4096)
+ROUTER_MAX_CHOICES = env_int("ROUTER_MAX_CHOICES", 8)  # the largest `n`
+# Prompts waiting to be tokenized, and how long one waits; past either, the request is routed on load alone.
+ROUTER_TOKENIZE_QUEUE = env_int("ROUTER_TOKENIZE_QUEUE", 64)
+ROUTER_TOKENIZE_WAIT_SECONDS = float(env_secret("ROUTER_TOKENIZE_WAIT_SECONDS") or 2.0)
+# The per-deployment engine API keys are HMACs under this secret (serving/engine_keys.py); the router and the
+# worker must share it. Blank: SECRET_KEY.
+ENGINE_KEY_SECRET = env_secret("ENGINE_KEY_SECRET") or ""
+# Usage Redis cannot take goes to a durable journal in this directory (give each router replica a persistent
+# volume of its own), replayed once Redis answers; past MAX_BYTES, or when the disk refuses, new work gets a 503.
+ROUTER_USAGE_JOURNAL_DIR = env_secret("ROUTER_USAGE_JOURNAL_DIR") or str(STATE_DIR / "usage-journal")
+ROUTER_USAGE_JOURNAL_MAX_BYTES = env_int("ROUTER_USAGE_JOURNAL_MAX_BYTES", 1 << 30)
+ROUTER_USAGE_REDIS_TIMEOUT = float(env_secret("ROUTER_USAGE_REDIS_TIMEOUT") or 5.0)
+# A request's concurrency slot is a lease renewed while it runs: a replica that dies frees its slots this late.
+ROUTER_CONCURRENCY_LEASE_SECONDS = float(env_secret("ROUTER_CONCURRENCY_LEASE_SECONDS") or 30.0)
 
 # Usage metering: the router's events stream through Redis into the ledger (tenants/usage_stream.py).
 USAGE_STREAM = env_secret("USAGE_STREAM") or "usage:events"
@@ -259,6 +336,8 @@ USAGE_DEAD_LETTER_STREAM = env_secret("USAGE_DEAD_LETTER_STREAM") or "usage:dead
 USAGE_STREAM_MAXLEN = env_int("USAGE_STREAM_MAXLEN", 1_000_000)
 USAGE_VISIBILITY_TIMEOUT_MS = env_int("USAGE_VISIBILITY_TIMEOUT_MS", 60_000)
 USAGE_INGEST_BATCH_SIZE = env_int("USAGE_INGEST_BATCH_SIZE", 500)
+# One ingest run drains the stream for at most this long; beat starts the next every two seconds.
+USAGE_INGEST_MAX_SECONDS = float(env_secret("USAGE_INGEST_MAX_SECONDS") or 10.0)
 USAGE_DEFAULT_CURRENCY = env_secret("USAGE_DEFAULT_CURRENCY") or "USD"
 
 # Kubernetes (the `kubernetes` orchestrator; see README "Kubernetes").
@@ -270,6 +349,8 @@ KUBERNETES_CONTEXT = env_secret("KUBERNETES_CONTEXT") or None
 # Where deployments without a namespace of their own go, and every namespace the orchestrator may touch.
 KUBERNETES_NAMESPACE = env_secret("KUBERNETES_NAMESPACE") or "inference"
 KUBERNETES_NAMESPACES = env_list("KUBERNETES_NAMESPACES", [KUBERNETES_NAMESPACE])
+# Where the platform's own pods (router, worker, KV-event ingester) run: engine NetworkPolicies admit them.
+KUBERNETES_PLATFORM_NAMESPACE = env_secret("KUBERNETES_PLATFORM_NAMESPACE") or "inference-platform"
 KUBERNETES_FIELD_MANAGER = "inference-platform"
 KUBERNETES_ENGINE_IMAGE = env_secret("KUBERNETES_ENGINE_IMAGE") or "vllm/vllm-openai:latest"
 # The platform's own image: engines of kind `sim` run the simulator from it.
@@ -286,7 +367,7 @@ KUBERNETES_API_RETRIES = env_int("KUBERNETES_API_RETRIES", 3)
 KUBERNETES_API_BACKOFF_S = float(env_secret("KUBERNETES_API_BACKOFF_S") or 0.5)
 KUBERNETES_API_TIMEOUT_S = float(env_secret("KUBERNETES_API_TIMEOUT_S") or 10.0)
 
-# The portal's live-traffic WebSocket is served by the router process (inference_platform/asgi.py), not by the
-# web process. Empty: the page's own host and port (an ingress sends /ws/ to the router); ":PORT": the page's
-# host on that port (the dev stack's router listens on 8080); or a full ws:// or wss:// URL.
-PORTAL_LIVE_WEBSOCKET_URL = env_secret("PORTAL_LIVE_WEBSOCKET_URL") or (":8080" if DEBUG else "")
+# The portal's live-traffic WebSocket is served by the web process (inference_platform/web_asgi.py), beside the
+# portal's pages and behind the same session cookie; never by the router. Empty: the page's own host and port;
+# ":PORT": the page's host on that port; or a full ws:// or wss:// URL.
+PORTAL_LIVE_WEBSOCKET_URL = env_secret("PORTAL_LIVE_WEBSOCKET_URL") or ""

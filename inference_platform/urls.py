@@ -5,8 +5,8 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from rest_framework.routers import DefaultRouter
 
 from routing.api.views import RoutingPolicyViewSet
-from serving.api.views import ModelDeploymentViewSet
-from tenants.api import reports
+from serving.api.views import AutoscalingPolicyViewSet, ModelDeploymentViewSet, ScalingEventViewSet
+from tenants.api import reports, tokens
 from tenants.api import views as tenants
 
 router = DefaultRouter()
@@ -16,8 +16,11 @@ router.register("memberships", tenants.MembershipViewSet, basename="membership")
 router.register("keys", tenants.ApiKeyViewSet, basename="apikey")
 router.register("quotas", tenants.QuotaViewSet, basename="quota")
 router.register("price-sheets", tenants.PriceSheetViewSet, basename="pricesheet")
+router.register("model-aliases", tenants.ModelAliasViewSet, basename="modelalias")
 router.register("deployments", ModelDeploymentViewSet, basename="deployment")
 router.register("routing-policies", RoutingPolicyViewSet, basename="routingpolicy")
+router.register("autoscaling-policies", AutoscalingPolicyViewSet, basename="autoscalingpolicy")
+router.register("scaling-events", ScalingEventViewSet, basename="scalingevent")
 router.register("usage", tenants.UsageViewSet, basename="usage")
 router.register("audit-log", tenants.AuditLogViewSet, basename="auditlog")
 
@@ -34,6 +37,9 @@ urlpatterns = [
     path("portal/", include("portal.urls")),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
+    path("api/auth/token/", tokens.TokenCreateView.as_view(), name="token-create"),
+    path("api/auth/token/revoke/", tokens.TokenRevokeView.as_view(), name="token-revoke"),
+    path("api/auth/token/revoke-all/", tokens.TokenRevokeAllView.as_view(), name="token-revoke-all"),
     path("api/auth/", include("rest_framework.urls")),
     path("healthz", healthz),
 ]

@@ -1,7 +1,9 @@
 """Cost to serve a deployment: GPU-hours at the configured price, divided among the tokens it served.
 
-    GPU cost = sum over pools of (price per GPU-hour of the pool's accelerator x GPUs per replica x replicas)
-               x hours in the period (up to now), assuming today's replicas ran throughout.
+    GPU cost = sum over the engines that ran in the period (up to now) of
+               price per GPU-hour of the engine's accelerator x its GPUs x the hours it ran in the period,
+from each engine's recorded lifetime (serving.EndpointLifetime: started to stopped, draining included), so
+replicas that autoscaling added or removed count for the time they really ran.
 
 The GPU cost is shared among fresh input, cached input and output tokens in proportion to what the price
 sheet charges for them (its weights), so that cost per million of each kind is comparable with the price:
@@ -17,7 +19,7 @@ from decimal import Decimal
 
 from django.utils import timezone
 
-from serving.models import ModelDeployment
+from serving.models import EndpointLifetime, ModelDeployment
 from tenants.access import Access
 from tenants.billing import Period, usage_report
 from tenants.models import PriceSheet
@@ -34,8 +36,9 @@ class PoolCost:
     name: str
     accelerator: str
     price_per_gpu_hour: Decimal | None  # None: no price configured for this accelerator
-    gpus: int
-    hours: Decimal
+    gpus: int  # per replica
+    engines: int  # engines that ran in the period
+    gpu_hours: Decimal  # measured: each engine's GPUs x the hours it ran in the period
     cost: Decimal
 
 
@@ -62,16 +65,38 @@ def _hours(period: Period, now: datetime) -> Decimal:
     return Decimal((end - period.start).total_seconds()) / Decimal(3600)
 
 
-def cost_to_serve(*, access: Access, deployment: ModelDeployment, period: Period) -> CostToServe:
-    hours = _hours(period, timezone.now())
-    prices = {p.accelerator: p.price_per_gpu_hour for p in AcceleratorPrice.objects.all()}
-    pools = []
-    for pool in deployment.pools.all():
-        gpus = pool.gpus_per_replica * pool.replicas
-        price = prices.get(pool.accelerator)
-        pools.append(
-            PoolCost(pool.name, pool.accelerator or "(none)", price, gpus, hours, (price or 0) * gpus * hours)
+def _pool_costs(
+    deployment: ModelDeployment, period: Period, now: datetime, prices: dict[str, Decimal]
+) -> list[PoolCost]:
+    """GPU-hours and their cost per pool (and accelerator), from the lifetimes that overlap the period."""
+    end = min(period.end, now)
+    lifetimes = EndpointLifetime.objects.filter(deployment_name=deployment.name, started_at__lt=end).exclude(
+        stopped_at__lte=period.start
+    )
+    per_pool: dict[tuple[str, str], list] = {}
+    for life in lifetimes:
+        ran = min(life.stopped_at or end, end) - max(life.started_at, period.start)
+        seconds = Decimal(max(ran.total_seconds(), 0))
+        entry = per_pool.setdefault((life.pool_name, life.accelerator), [0, 0, Decimal(0)])
+        entry[0] = max(entry[0], life.gpus)
+        entry[1] += 1
+        entry[2] += life.gpus * seconds / Decimal(3600)
+    for pool in deployment.pools.all():  # pools that ran nothing in the period still get a row
+        per_pool.setdefault((pool.name, pool.accelerator), [pool.gpus_per_replica, 0, Decimal(0)])
+    rows = []
+    for (name, accelerator), (gpus, engines, gpu_hours) in sorted(per_pool.items()):
+        price = prices.get(accelerator)
+        rows.append(
+            PoolCost(name, accelerator or "(none)", price, gpus, engines, gpu_hours, (price or 0) * gpu_hours)
         )
+    return rows
+
+
+def cost_to_serve(*, access: Access, deployment: ModelDeployment, period: Period) -> CostToServe:
+    now = timezone.now()
+    hours = _hours(period, now)
+    prices = {p.accelerator: p.price_per_gpu_hour for p in AcceleratorPrice.objects.all()}
+    pools = _pool_costs(deployment, period, now, prices)
     gpu_cost = sum((p.cost for p in pools), Decimal(0))
     rows = [
         r

@@ -1,4 +1,4 @@
-"""WebSocket routes of the portal, mounted by the router's ASGI application (inference_platform/asgi.py)."""
+"""WebSocket routes of the portal, mounted by the web side's ASGI application (inference_platform/web_asgi.py)."""
 
 from channels.auth import AuthMiddlewareStack
 from channels.security.websocket import AllowedHostsOriginValidator

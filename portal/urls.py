@@ -2,11 +2,16 @@ from django.contrib.auth import views as auth_views
 from django.urls import path
 
 from . import views
+from .forms import SignInForm
 
 app_name = "portal"
 urlpatterns = [
     path("", views.home, name="home"),
-    path("login/", auth_views.LoginView.as_view(template_name="portal/login.html"), name="login"),
+    path(
+        "login/",
+        auth_views.LoginView.as_view(template_name="portal/login.html", authentication_form=SignInForm),
+        name="login",
+    ),
     path("logout/", auth_views.LogoutView.as_view(next_page="portal:login"), name="logout"),
     path("fleet/", views.fleet, name="fleet"),
     path("deployments/new/", views.deployment_new, name="deployment-new"),
@@ -19,6 +24,10 @@ urlpatterns = [
     path("teams/", views.teams, name="teams"),
     path("teams/<int:pk>/", views.team_detail, name="team"),
     path("teams/<int:pk>/keys/", views.key_create, name="key-create"),
+    path("teams/<int:pk>/settings/", views.team_settings, name="team-settings"),
+    path("teams/<int:pk>/aliases/", views.alias_create, name="alias-create"),
+    path("teams/<int:pk>/aliases/<int:alias_pk>/", views.alias_move, name="alias-move"),
+    path("teams/<int:pk>/aliases/<int:alias_pk>/delete/", views.alias_delete, name="alias-delete"),
     path("keys/<int:pk>/revoke/", views.key_revoke, name="key-revoke"),
     path("reports/", views.reports, name="reports"),
     path("reports/export.csv", views.reports_csv, name="reports-csv"),

@@ -19,24 +19,48 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
+from serving import services as serving
 from serving.models import Endpoint, Health, ModelDeployment, Pool
-from tenants.access import Access
-from tenants.api.reports import csv_response
+from tenants.access import TENANT_DEACTIVATED, Access
+from tenants.api.reports import PERIOD_OUT_OF_RANGE, csv_response
 from tenants.billing import Period, PeriodError, period_parse, usage_report
+from tenants.entitlements import model_alias_delete, model_alias_save, team_entitlements_update
 from tenants.keys import api_key_create, api_key_revoke
+from tenants.models import ModelAlias
 
-from . import services
 from .charts import bar_chart, column_chart
 from .costs import cost_to_serve
-from .forms import DeploymentCreateForm, KeyCreateForm, ReportForm, ScaleForm
+from .forms import (
+    AliasForm,
+    AliasMoveForm,
+    DeploymentCreateForm,
+    KeyCreateForm,
+    ReportForm,
+    ScaleForm,
+    TeamSettingsForm,
+)
 
-signed_in = login_required(login_url="portal:login")
+# The audit rows' source for what the portal changes.
+SOURCE = "portal"
 
 
 def _access(request) -> Access:
     if not hasattr(request, "_portal_access"):
         request._portal_access = Access.for_user(request.user)
     return request._portal_access
+
+
+def signed_in(view):
+    """Signed in, and not locked out: someone whose every tenant is deactivated gets a page that says so."""
+
+    @login_required(login_url="portal:login")
+    @wraps(view)
+    def wrapped(request, *args, **kwargs):
+        if _access(request).locked_out:
+            return render(request, "portal/deactivated.html", {"detail": TENANT_DEACTIVATED}, status=403)
+        return view(request, *args, **kwargs)
+
+    return wrapped
 
 
 def operator_only(view):
@@ -90,7 +114,9 @@ def deployment_new(request):
     form = DeploymentCreateForm(request.POST or None)
     if request.method == "POST" and form.is_valid():
         try:
-            deployment = services.deployment_create(actor=request.user, **form.cleaned_data)
+            deployment = serving.deployment_create(
+                actor=request.user, source=SOURCE, fields=form.deployment_fields(), pools=form.pools()
+            )
         except ValidationError as exc:
             for field, errors in exc.message_dict.items():
                 form.add_error(field if field in form.fields else None, errors)
@@ -108,8 +134,49 @@ def deployment_detail(request, pk: int):
         "progress": _progress(deployment),
         "scale_form": ScaleForm(),
         "prefix_health": _prefix_health(deployment),
+        "autoscaling": _autoscaling(deployment),
     }
     return render(request, "portal/deployment.html", context)
+
+
+def _autoscaling(deployment) -> dict:
+    """Per pool with a policy: charts of its replicas next to the signals that drove them and of TTFT and ITL
+    p90 against their objectives (the autoscaler's recent passes, from Redis); and the recent scaling events."""
+    import redis
+    from django.conf import settings
+
+    from serving.autoscaling import pool_history
+    from serving.models import AutoscalingPolicy, ScalingEvent
+
+    from .charts import line_chart
+
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    pools = []
+    for policy in AutoscalingPolicy.objects.filter(pool__deployment=deployment).select_related("pool"):
+        try:
+            history = pool_history(client, policy.pool_id)
+        except redis.RedisError:
+            history = []
+        now = history[-1]["t"] if history else 0.0
+
+        def line(name: str, scale: float = 1.0, history=history, now=now) -> list:
+            return [(s["t"] - now, None if s.get(name) is None else s[name] * scale) for s in history]
+
+        targets = policy.targets()
+        drivers = {"replicas": line("replicas"), "ready": line("ready")}
+        if "queued_prompt_tokens_per_replica" in targets:
+            drivers["queued prompt tokens / 1000"] = line("queued_prompt_tokens", 0.001)
+        if "running_requests_per_replica" in targets:
+            drivers["running sequences"] = line("running_requests")
+        if "kv_cache_utilization" in targets:
+            drivers["KV-cache use x 10"] = line("kv_cache_utilization", 10)
+        charts = [line_chart(drivers, title=f"{policy.pool.name}: replicas and the signals that drove them")]
+        for name, label in (("ttft_p90_s", "TTFT p90"), ("itl_p90_s", "Inter-token latency p90")):
+            if name in targets:
+                charts.append(line_chart({label: line(name)}, title=label, unit="s", objective=targets[name]))
+        pools.append({"policy": policy, "charts": charts})
+    events = ScalingEvent.objects.filter(pool__deployment=deployment).select_related("pool")[:20]
+    return {"pools": pools, "events": list(events)}
 
 
 def _prefix_health(deployment):
@@ -143,8 +210,9 @@ def deployment_scale(request, pk: int, pool_pk: int):
     pool = get_object_or_404(Pool.objects.select_related("deployment"), pk=pool_pk, deployment_id=pk)
     form = ScaleForm(request.POST)
     if form.is_valid():
-        if services.pool_scale(actor=request.user, pool=pool, replicas=form.cleaned_data["replicas"]):
-            messages.success(request, f"{pool} scaled to {form.cleaned_data['replicas']} replicas.")
+        replicas = form.cleaned_data["replicas"]
+        if serving.pool_scale(actor=request.user, source=SOURCE, pool=pool, replicas=replicas):
+            messages.success(request, f"{pool} scaled to {replicas} replicas.")
     else:
         messages.error(request, "Give a number of replicas from 0 to 1024.")
     return redirect("portal:deployment", pk=pk)
@@ -154,7 +222,7 @@ def deployment_scale(request, pk: int, pool_pk: int):
 @require_POST
 def deployment_remove(request, pk: int):
     deployment = get_object_or_404(ModelDeployment, pk=pk)
-    services.deployment_delete(actor=request.user, deployment=deployment)
+    serving.deployment_delete(actor=request.user, source=SOURCE, deployment=deployment)
     messages.success(request, f"Deployment {deployment.name} deleted; its engines are stopping.")
     return redirect("portal:fleet")
 
@@ -169,7 +237,7 @@ def deployment_cost(request, pk: int):
 
 @operator_only
 def live(request):
-    return render(request, "portal/live.html", {"ws_url": getattr(settings, "PORTAL_LIVE_WEBSOCKET_URL", "")})
+    return render(request, "portal/live.html", {"ws_url": settings.PORTAL_LIVE_WEBSOCKET_URL})
 
 
 # Teams ---------------------------------------------------------------------------------------------------
@@ -178,7 +246,11 @@ def live(request):
 @signed_in
 def teams(request):
     access = _access(request)
-    rows = access.teams_qs().annotate(keys=Count("api_keys", filter=Q(api_keys__revoked_at__isnull=True)))
+    rows = (
+        access.teams_qs()
+        .annotate(keys=Count("api_keys", filter=Q(api_keys__revoked_at__isnull=True)))
+        .prefetch_related("deployments")
+    )
     return render(request, "portal/teams.html", {"teams": rows})
 
 
@@ -235,11 +307,26 @@ def _team_context(request, team, **extra) -> dict:
     by_key = usage_report(access=access, period=period, group_by="key", team_id=team.pk)
     by_day = usage_report(access=access, period=period, group_by="day", team_id=team.pk)
     quotas = access.quotas_qs().filter(team=team)
+    is_tenant_admin = access.can_admin_tenant(team.tenant_id)
+    can_set_class = is_tenant_admin or team.id in access.admin_teams
+    allowed = list(team.deployments.order_by("served_model_name")) if team.restrict_models else None
+    aliases = [
+        {"alias": alias, "callable": allowed is None or alias.deployment in allowed, "form": None}
+        for alias in access.model_aliases_qs().filter(tenant_id=team.tenant_id)
+    ]
+    if is_tenant_admin:
+        for row in aliases:
+            row["form"] = AliasMoveForm(initial={"deployment": row["alias"].deployment_id})
     return {
         "team": team,
         "can_manage": access.can_manage_team(team),
-        "keys": access.api_keys_qs().filter(team=team),
+        "can_admin_tenant": is_tenant_admin,
+        "keys": access.api_keys_qs().filter(team=team).prefetch_related("deployments"),
         "quotas": _quota_usage(team, quotas),
+        "allowed_models": allowed,
+        "aliases": aliases,
+        "settings_form": TeamSettingsForm(team=team, full=is_tenant_admin) if can_set_class else None,
+        "alias_form": AliasForm() if is_tenant_admin else None,
         "report": by_key,
         "cost_chart": column_chart(_day_series(by_day, period, "cost"), title="Cost per day", unit="USD"),
         "key_form": KeyCreateForm(),
@@ -282,6 +369,89 @@ def key_revoke(request, pk: int):
     return redirect("portal:team", pk=api_key.team_id)
 
 
+def _form_errors(form, exc: ValidationError) -> None:
+    for field, errors in exc.message_dict.items():
+        form.add_error(field if field in form.fields else None, errors)
+
+
+@signed_in
+@require_POST
+def team_settings(request, pk: int):
+    """A team's priority class, weight and the models it may call (its tenant's admins), or its class alone
+    (its own admins)."""
+    access = _access(request)
+    team = get_object_or_404(access.teams_qs(), pk=pk)
+    full = access.can_admin_tenant(team.tenant_id)
+    if not full and team.id not in access.admin_teams:
+        raise PermissionDenied("Only the team's admins can change its priority class.")
+    form = TeamSettingsForm(request.POST, team=team, full=full)
+    if form.is_valid():
+        try:
+            team_entitlements_update(
+                team=team,
+                actor=request.user,
+                source=SOURCE,
+                fields=form.team_fields(),
+                deployments=form.team_deployments(),
+            )
+        except ValidationError as exc:
+            _form_errors(form, exc)
+        else:
+            messages.success(request, f"{team} updated.")
+            return redirect("portal:team", pk=team.pk)
+    return render(request, "portal/team.html", _team_context(request, team, settings_form=form), status=400)
+
+
+def _tenant_admins_team(request, pk: int):
+    access = _access(request)
+    team = get_object_or_404(access.teams_qs(), pk=pk)
+    if not access.can_admin_tenant(team.tenant_id):
+        raise PermissionDenied("Only the tenant's admins can change its model aliases.")
+    return team
+
+
+@signed_in
+@require_POST
+def alias_create(request, pk: int):
+    team = _tenant_admins_team(request, pk)
+    form = AliasForm(request.POST)
+    if form.is_valid():
+        alias = ModelAlias(tenant_id=team.tenant_id, **form.cleaned_data)
+        try:
+            model_alias_save(alias=alias, actor=request.user, source=SOURCE)
+        except ValidationError as exc:
+            _form_errors(form, exc)
+        else:
+            messages.success(request, f"Alias {alias.name} now serves {alias.deployment.served_model_name}.")
+            return redirect("portal:team", pk=team.pk)
+    return render(request, "portal/team.html", _team_context(request, team, alias_form=form), status=400)
+
+
+@signed_in
+@require_POST
+def alias_move(request, pk: int, alias_pk: int):
+    team = _tenant_admins_team(request, pk)
+    alias = get_object_or_404(ModelAlias, pk=alias_pk, tenant_id=team.tenant_id)
+    form = AliasMoveForm(request.POST)
+    if form.is_valid():
+        alias.deployment = form.cleaned_data["deployment"]
+        model_alias_save(alias=alias, actor=request.user, source=SOURCE)
+        messages.success(request, f"Alias {alias.name} now serves {alias.deployment.served_model_name}.")
+    else:
+        messages.error(request, "Choose a deployment for the alias.")
+    return redirect("portal:team", pk=team.pk)
+
+
+@signed_in
+@require_POST
+def alias_delete(request, pk: int, alias_pk: int):
+    team = _tenant_admins_team(request, pk)
+    alias = get_object_or_404(ModelAlias, pk=alias_pk, tenant_id=team.tenant_id)
+    model_alias_delete(alias=alias, actor=request.user, source=SOURCE)
+    messages.success(request, f"Alias {alias.name} deleted.")
+    return redirect("portal:team", pk=team.pk)
+
+
 # Reports -------------------------------------------------------------------------------------------------
 
 
@@ -296,6 +466,9 @@ def _period_from(request, default_group: str = "team") -> tuple[Period, ReportFo
         ), form
     except PeriodError as exc:
         form.add_error(None, str(exc))
+        return period_parse(period="month"), form
+    except (ValueError, OverflowError):  # the period's bounds fall outside the years 1 to 9999
+        form.add_error(None, PERIOD_OUT_OF_RANGE)
         return period_parse(period="month"), form
 
 

@@ -2,22 +2,50 @@ from django.contrib import admin
 
 from tenants.admin_audit import AuditedAdmin
 
-from .models import RoutingPolicy
+from .models import RoutingPolicy, policy_fields
+from .plugins import REGISTRY
+
+# The flow-control settings (routing/flow.py): when a deployment counts as saturated, and how long each class
+# may wait in the router.
+FLOW_CONTROL_FIELDS = [
+    f.name
+    for f in policy_fields()
+    if f.name == "flow_control" or f.name.startswith(("saturation_", "max_wait_"))
+]
 
 
 @admin.register(RoutingPolicy)
 class RoutingPolicyAdmin(AuditedAdmin):
     audit_name = "routing_policy"
+    # The scorers' weights, as registered (routing/plugins.py).
     list_display = [
         "deployment",
         "mode",
-        "prefix_weight",
-        "queue_weight",
-        "prefill_backlog_weight",
-        "kv_utilization_weight",
-        "session_affinity_weight",
+        *REGISTRY.weight_fields,
         "pd_split_threshold_tokens",
+        "flow_control",
         "updated_at",
     ]
-    list_filter = ["mode"]
+    list_filter = ["mode", "flow_control"]
     search_fields = ["deployment__name", "deployment__served_model_name"]
+    fieldsets = [
+        (
+            None,
+            {
+                "fields": [
+                    "deployment",
+                    *(f.name for f in policy_fields() if f.name not in FLOW_CONTROL_FIELDS),
+                ]
+            },
+        ),
+        (
+            "Flow control",
+            {
+                "fields": FLOW_CONTROL_FIELDS,
+                "description": "While the deployment is saturated (any threshold below crossed), new requests "
+                "wait in the router instead of in the engines' queues, and are served by priority class, then "
+                "by fair share of work across tenants and their teams. A request that waits past its class's "
+                "limit gets a 429 with Retry-After.",
+            },
+        ),
+    ]

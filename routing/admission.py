@@ -1,19 +1,21 @@
 """Admission control in Redis, atomic across router replicas.
 
-One Lua script checks every limit of the team and of the key, and only if all pass records the request:
-requests, input and output tokens per minute (fixed one-minute windows), concurrent requests (a sorted set of
-request ids with deadlines, so a crashed router cannot leak slots), and token and spend budgets per period.
-Budgets are reserve-then-settle: admission reserves the worst case (an upper bound of the prompt plus
-`max_tokens`, and their cost), and settlement replaces the reservation with what was really used. Since
-reservations are upper bounds, concurrent requests can never push a budget over its limit.
+One Lua script checks every limit of the team and of the key, and only if all pass records the request. Budgets
+are reserve-then-settle; concurrency slots are leases (`ROUTER_CONCURRENCY_LEASE_SECONDS`) renewed by the admitting
+replica (`Admission.renew_leases`) for at most `CONCURRENCY_MAX_HOLD_S`; an expired slot's id stays uncounted for
+`UNSETTLED_RETAIN_S`, so a settlement replayed from the usage journal applies at most once. See
+docs/routing.md#failures-timeouts-and-metering.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import time
 from dataclasses import dataclass
 from decimal import Decimal
+
+from django.conf import settings
 
 from tenants.periods import period_bounds
 from tenants.pricing import cost_from_prices
@@ -22,12 +24,18 @@ from .state import Prices, QuotaInfo
 
 # Money is counted in Redis as integers of 1e-8 of the currency unit, the ledger's precision.
 MONEY_SCALE = Decimal("100000000")
-CONCURRENCY_DEADLINE_S = 900
+# A request is counted for at most this long, however long it runs (a router that forgot to settle cannot hold
+# a slot for ever).
+CONCURRENCY_MAX_HOLD_S = 900
+# How long the id of a slot whose lease ran out stays in the set (not counted), so that a late settlement
+# from the journal can still tell it was never applied.
+UNSETTLED_RETAIN_S = 3600
 
 # KEYS: for each scope (team, then key when it has a quota of its own) seven keys:
 #   rpm, itpm, otpm, concurrency zset, token budget, spend budget, and a spare.
 # ARGV: now, request id, n_scopes, then per scope: rpm_limit, itpm_limit, otpm_limit, conc_limit, tok_limit,
-#   spend_limit, window_ttl, budget_ttl; then the request's: input_reserve, output_reserve, spend_reserve.
+#   spend_limit, window_ttl, budget_ttl; then the request's: input_reserve, output_reserve, spend_reserve, and the
+#   concurrency lease in seconds.
 # A limit of -1 means none. Returns {0, scope_index, limit_name, retry_after} when refused, else
 # {1, rpm_remaining, tokens_remaining} for the tightest scope.
 ADMIT = """
@@ -39,6 +47,7 @@ local base = 3 + n * per
 local input_reserve = tonumber(ARGV[base + 1])
 local output_reserve = tonumber(ARGV[base + 2])
 local spend_reserve = tonumber(ARGV[base + 3])
+local lease = tonumber(ARGV[base + 4])
 local rpm_remaining = -1
 local tok_remaining = -1
 for s = 0, n - 1 do
@@ -59,8 +68,7 @@ for s = 0, n - 1 do
     return {0, s, 'output_tokens', window_ttl}
   end
   if conc >= 0 then
-    redis.call('ZREMRANGEBYSCORE', KEYS[k+4], '-inf', now)
-    if redis.call('ZCARD', KEYS[k+4]) + 1 > conc then return {0, s, 'concurrency', 1} end
+    if redis.call('ZCOUNT', KEYS[k+4], now, '+inf') + 1 > conc then return {0, s, 'concurrency', 1} end
   end
   if tok >= 0 then
     local used = tonumber(redis.call('GET', KEYS[k+5]) or '0')
@@ -78,19 +86,29 @@ for s = 0, n - 1 do
   redis.call('INCR', KEYS[k+1]); redis.call('EXPIRE', KEYS[k+1], window_ttl + 60)
   redis.call('INCRBY', KEYS[k+2], input_reserve); redis.call('EXPIRE', KEYS[k+2], window_ttl + 60)
   redis.call('INCRBY', KEYS[k+3], output_reserve); redis.call('EXPIRE', KEYS[k+3], window_ttl + 60)
-  redis.call('ZADD', KEYS[k+4], now + DEADLINE, request_id); redis.call('EXPIRE', KEYS[k+4], DEADLINE)
+  redis.call('ZREMRANGEBYSCORE', KEYS[k+4], '-inf', now - RETAIN)
+  redis.call('ZADD', KEYS[k+4], now + lease, request_id); redis.call('EXPIRE', KEYS[k+4], math.ceil(lease) + RETAIN)
   redis.call('INCRBY', KEYS[k+5], input_reserve + output_reserve); redis.call('EXPIRE', KEYS[k+5], budget_ttl + 3600)
   redis.call('INCRBY', KEYS[k+6], spend_reserve); redis.call('EXPIRE', KEYS[k+6], budget_ttl + 3600)
 end
 return {1, rpm_remaining, tok_remaining}
-""".replace("DEADLINE", str(CONCURRENCY_DEADLINE_S))
+""".replace("RETAIN", str(UNSETTLED_RETAIN_S))
 
-# KEYS as for ADMIT. ARGV: request id, n_scopes, input delta, output delta, spend delta.
+# KEYS as for ADMIT. ARGV: request id, n_scopes, input delta, output delta, spend delta, and 1 when replayed from
+# the journal: then nothing is done unless a scope still holds the request's id, so a settlement that reached
+# Redis once (its reply lost) is not applied twice. Returns 1 when applied, 0 when not.
 # The minute windows are only corrected while they are still the current ones (the keys name their minute).
 SETTLE = """
 local request_id = ARGV[1]
 local n = tonumber(ARGV[2])
 local d_in, d_out, d_spend = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+if ARGV[6] == '1' then
+  local held = false
+  for s = 0, n - 1 do
+    if redis.call('ZSCORE', KEYS[s * 7 + 4], request_id) then held = true end
+  end
+  if not held then return 0 end
+end
 for s = 0, n - 1 do
   local k = s * 7
   if redis.call('EXISTS', KEYS[k+2]) == 1 then redis.call('INCRBY', KEYS[k+2], d_in) end
@@ -156,10 +174,16 @@ def cost_units(prices: Prices | None, prompt: int, cached: int, output: int) -> 
 
 
 class Admission:
-    def __init__(self, redis):
+    def __init__(self, redis, lease_s: float | None = None):
         self.redis = redis
         self._admit = redis.register_script(ADMIT)
         self._settle = redis.register_script(SETTLE)
+        if lease_s is None:
+            lease_s = settings.ROUTER_CONCURRENCY_LEASE_SECONDS
+        self.lease_s = float(lease_s)
+        # This replica's admitted requests not yet settled (or journaled), with when each was admitted
+        # (monotonic): their slots' leases are renewed while they are here.
+        self.held: dict[str, tuple[Reservation, float]] = {}
 
     @staticmethod
     def _scope_keys(kind: str, ident: int, quota: QuotaInfo, minute: int, budget_start: int) -> list[str]:
@@ -208,9 +232,10 @@ class Admission:
                 window_ttl,
                 max(1, int(end - now)),
             ]
-        args += [input_reserve, output_reserve, spend_reserve]
+        args += [input_reserve, output_reserve, spend_reserve, self.lease_s]
         result = await self._admit(keys=reservation.keys, args=args)
         if result[0] == 1:
+            self.held[request_id] = (reservation, time.monotonic())
             headers = {}
             if result[1] >= 0:
                 headers["x-ratelimit-remaining-requests"] = str(result[1])
@@ -234,8 +259,46 @@ class Admission:
         self, pipe, reservation: Reservation, input_delta: int, output_delta: int, spend_delta: int
     ) -> None:
         """Queue the settlement on a pipeline (see routing/finisher.py); it runs when the pipeline executes."""
-        args = [reservation.request_id, reservation.scopes, input_delta, output_delta, spend_delta]
+        args = [reservation.request_id, reservation.scopes, input_delta, output_delta, spend_delta, 0]
         await self._settle(keys=reservation.keys, args=args, client=pipe)
+
+    async def settle_replayed_in(self, pipe, keys: list[str], args: list) -> None:
+        """Queue a settlement read back from the journal (`settlement_args`): applied only if its request still
+        holds a slot id, so at most once."""
+        await self._settle(keys=keys, args=[*args[:5], 1], client=pipe)
+
+    @staticmethod
+    def settlement_args(
+        reservation: Reservation, input_delta: int, output_delta: int, spend_delta: int
+    ) -> list:
+        return [reservation.request_id, reservation.scopes, input_delta, output_delta, spend_delta]
+
+    def release(self, reservation: Reservation | None) -> None:
+        """Stop renewing a request's slot: it was settled, or its settlement went to the journal (then its
+        lease runs out, and the replay frees it at once if Redis is back sooner)."""
+        if reservation is not None:
+            self.held.pop(reservation.request_id, None)
+
+    async def renew_leases(self) -> int:
+        """Extend the lease of every slot this replica holds, in one round trip; return how many. A slot already
+        settled is not brought back (ZADD XX only updates ids still there)."""
+        now_mono, now = time.monotonic(), time.time()
+        by_key: dict[str, list[str]] = {}
+        for request_id, (reservation, admitted_at) in list(self.held.items()):
+            if now_mono - admitted_at > CONCURRENCY_MAX_HOLD_S:
+                del self.held[request_id]
+                continue
+            for scope in range(reservation.scopes):
+                by_key.setdefault(reservation.keys[scope * 7 + 3], []).append(request_id)
+        if not by_key:
+            return 0
+        deadline = now + self.lease_s
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for key, request_ids in by_key.items():
+                pipe.zadd(key, dict.fromkeys(request_ids, deadline), xx=True)
+                pipe.expire(key, math.ceil(self.lease_s) + UNSETTLED_RETAIN_S)
+            await pipe.execute()
+        return sum(len(ids) for ids in by_key.values())
 
 
 @functools.lru_cache(maxsize=64)

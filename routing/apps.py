@@ -1,5 +1,5 @@
 from django.apps import AppConfig
-from django.db.models.signals import post_delete, post_save
+from django.db.models.signals import m2m_changed, post_delete, post_save
 
 # The tables whose rows the router caches; any committed change makes every replica reload.
 CACHED_MODELS = (
@@ -8,6 +8,7 @@ CACHED_MODELS = (
     "tenants.ApiKey",
     "tenants.Quota",
     "tenants.PriceSheet",
+    "tenants.ModelAlias",
     "serving.ModelDeployment",
     "serving.Pool",
     "serving.Endpoint",
@@ -32,3 +33,7 @@ class RoutingConfig(AppConfig):
             model = apps.get_model(label)
             post_save.connect(_changed, sender=model, dispatch_uid=f"router-cache-{label}-save")
             post_delete.connect(_changed, sender=model, dispatch_uid=f"router-cache-{label}-delete")
+        # The models a team or a key may call.
+        for label, relation in (("tenants.Team", "deployments"), ("tenants.ApiKey", "deployments")):
+            through = getattr(apps.get_model(label), relation).through
+            m2m_changed.connect(_changed, sender=through, dispatch_uid=f"router-cache-{label}-{relation}")

@@ -1,9 +1,8 @@
 """The router's own block keys: chained hashes over fixed-size blocks of token ids.
 
-Keys are the router's, not the engine's: the KV-event ingester recomputes them from each BlockStored event's
-token ids and parent, and keeps a per-endpoint map from the engine's hash to the router's key, so the index never
-depends on an engine's hash seed or algorithm. The chain is seeded by the model and anything else that makes the
-same tokens mean a different KV cache (a LoRA adapter, a cache salt).
+The chain is seeded by the model and anything else that makes the same tokens mean a different KV cache (a LoRA
+adapter, a cache salt). A cache salt enters only the first block's key, as in vLLM, so two salts share no key at
+all. See docs/routing.md#prefix-routing.
 """
 
 from __future__ import annotations
@@ -11,11 +10,13 @@ from __future__ import annotations
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
+from functools import lru_cache
 from hashlib import blake2b
 
 KEY_BYTES = 8
 
 
+@lru_cache(maxsize=4096)  # one per model, adapter and tenant (or shared-cache group) in use
 def chain_seed(model: str, lora: str | None = None, cache_salt: str | None = None) -> bytes:
     return blake2b(f"{model}\x00{lora or ''}\x00{cache_salt or ''}".encode(), digest_size=KEY_BYTES).digest()
 

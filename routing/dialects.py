@@ -1,4 +1,8 @@
-"""The two API dialects agents speak: OpenAI's and Anthropic's. Errors and usage in each one's own shapes."""
+"""The API dialects agents speak: OpenAI's (chat and text completions, Responses) and Anthropic's. Errors,
+usage and stream events in each one's own shapes, then how each one's request renders as a chat template's inputs.
+
+Over 400 lines: both halves follow the same three APIs and change together when one of them changes; the
+simulator renders through the same functions, so there is one implementation of each conversion."""
 
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ ANTHROPIC_ERROR_TYPES = {
     502: "api_error",
     503: "overloaded_error",
     504: "api_error",
+    529: "overloaded_error",
 }
 
 
@@ -43,6 +48,8 @@ class Usage:
 
 class Dialect:
     name = "openai"
+    # The status of a request refused because the model is saturated (it waited past its class's limit).
+    overloaded_status = 429
     # Events that carry usage or end the stream contain one of these; a run of events before the first of them
     # is passed on whole, its content events counted with CONTENT_MARKER (once in each content event's JSON; a
     # string inside the JSON cannot hold it, since its quotes are escaped there). None: look at every event.
@@ -90,6 +97,29 @@ class Dialect:
     def is_usage_only_event(self, event: bytes) -> bool:
         return b'"choices":[]' in event and b'"usage"' in event
 
+    def prompt_from_event(self, event: bytes) -> int | None:
+        """The engine's count of prompt tokens, from a chunk that carries running usage (vLLM's
+        `continuous_usage_stats`: from the first chunk on, before the answer is over)."""
+        return _int_after(event, b'"prompt_tokens":')
+
+    def without_running_usage(self, event: bytes) -> bytes:
+        """A content chunk without the running usage the router asked for and the client did not: vLLM writes
+        `"usage"` after `"choices"`, an object of counts (and objects of counts)."""
+        at = event.find(b',"usage":{')
+        if at < 0:
+            return event
+        depth, index = 0, at + 9
+        while index < len(event):
+            byte = event[index]
+            if byte == 0x7B:  # {
+                depth += 1
+            elif byte == 0x7D:  # }
+                depth -= 1
+                if depth == 0:
+                    return event[:at] + event[index + 1 :]
+            index += 1
+        return event
+
     def is_content_event(self, event: bytes) -> bool:
         return event.startswith(b"data: {") and b'"choices":[{' in event
 
@@ -114,6 +144,7 @@ class Dialect:
 
 class AnthropicDialect(Dialect):
     name = "anthropic"
+    overloaded_status = 529  # Anthropic's `overloaded_error`
     SPECIAL_MARKERS = None
 
     def error_body(
@@ -138,6 +169,23 @@ class AnthropicDialect(Dialect):
 
     def carries_usage(self, event: bytes) -> bool:
         return b"message_delta" in event and b'"usage"' in event
+
+    def prompt_from_event(self, event: bytes) -> int | None:
+        """`message_start` carries the prompt's tokens (vLLM: all of them in `input_tokens`, nothing cached yet)."""
+        if not event.startswith(b"event: message_start"):
+            return None
+        data = _data_of(event)
+        usage = ((data or {}).get("message") or {}).get("usage") or {}
+        counts = [
+            usage.get(name)
+            for name in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+        ]
+        if not isinstance(counts[0], int):
+            return None
+        return sum(count for count in counts if isinstance(count, int))
+
+    def without_running_usage(self, event: bytes) -> bytes:
+        return event
 
     def is_usage_only_event(self, event: bytes) -> bool:
         return False
@@ -168,6 +216,12 @@ class ResponsesDialect(Dialect):
     def carries_usage(self, event: bytes) -> bool:
         return b"response.completed" in event
 
+    def prompt_from_event(self, event: bytes) -> int | None:
+        return None  # usage comes only with `response.completed`
+
+    def without_running_usage(self, event: bytes) -> bytes:
+        return event
+
     def is_usage_only_event(self, event: bytes) -> bool:
         return False
 
@@ -176,6 +230,16 @@ class ResponsesDialect(Dialect):
 
     def is_terminal_event(self, event: bytes) -> bool:
         return b"response.completed" in event.split(b"\n", 1)[0]
+
+
+def _int_after(data: bytes, marker: bytes) -> int | None:
+    at = data.find(marker)
+    if at < 0:
+        return None
+    start = end = at + len(marker)
+    while end < len(data) and 0x30 <= data[end] <= 0x39:
+        end += 1
+    return int(data[start:end]) if end > start else None
 
 
 def _data_of(event: bytes) -> dict | None:

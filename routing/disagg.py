@@ -1,25 +1,29 @@
 """Prefill/decode disaggregation and peer KV pulls, decided per request.
 
-- P/D: in a deployment with prefill and decode pools, a request whose uncached prompt on the chosen decode
-  endpoint reaches the policy's threshold is prefilled on a prefill endpoint (chosen by the same scorers over the
-  prefill pool, so its prefix cache counts), then decoded on the decode endpoint, which pulls the KV blocks over
-  NIXL with the `kv_transfer_params` the prefill leg returned. Below the threshold the decode endpoint does it all.
-- Peer pull: among aggregated engines that both produce and consume KV (NIXL `kv_both`), when the engine holding
-  the longest prefix is too busy and another was chosen, the holder runs the prefill leg (a cache hit there, so
-  cheap) and the chosen engine pulls the blocks instead of recomputing them, when what it would recompute reaches
-  the threshold.
+The plans (plan_disaggregated, plan_peer_pull) are pure; the legs below run them for an exchange
+(routing/exchange.py). See docs/routing.md#pd-disaggregation-and-peer-pulls.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import orjson
 
+from . import metrics
+from .dialects import OPENAI
+from .load import EndpointLoad
 from .pipeline import Candidate, RequestContext
-from .state import DeploymentInfo, EndpointInfo
+from .state import PREFILL_ROLES, DeploymentInfo, EndpointInfo
+from .upstream import UpstreamError
 
-PREFILL_ROLES = ("prefill",)
+if TYPE_CHECKING:
+    from .exchange import Exchange
+
 REMOTE_DECODE = {
     "do_remote_decode": True,
     "do_remote_prefill": False,
@@ -28,6 +32,9 @@ REMOTE_DECODE = {
     "remote_host": None,
     "remote_port": None,
 }
+DISAGG_PATHS = ("/v1/completions", "/v1/chat/completions")  # the routes a prefill leg can run for
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -97,3 +104,73 @@ def prefill_body(payload: dict) -> bytes:
 def decode_body(payload: dict, kv_transfer_params: dict) -> bytes:
     """The decode leg: the client's own request, with the prefill leg's transfer parameters verbatim."""
     return orjson.dumps({**payload, "kv_transfer_params": kv_transfer_params})
+
+
+# --- the legs ---------------------------------------------------------------------------------------------------
+
+
+async def prefill_elsewhere(exchange: Exchange, decode: Candidate, candidates: list[Candidate]) -> bytes:
+    """Run the prefill leg on another engine when the plan says so; the body for the decode engine. Sets the
+    exchange's `prefilled_remotely`, and `pd_done` once a leg was tried (a retry of the decode leg recomputes
+    rather than prefilling twice)."""
+    exchange.prefilled_remotely = False
+    request, router = exchange.request, exchange.router
+    if request.dialect is not OPENAI or request.scope["path"] not in DISAGG_PATHS or exchange.pd_done:
+        return request.body
+
+    def prefill_choice():
+        chosen, _ = router.pipeline.choose(request.deployment, request.ctx, router.loads, PREFILL_ROLES)
+        return chosen
+
+    plan = plan_disaggregated(request.deployment, request.ctx, decode, prefill_choice)
+    if plan.kind == "aggregated":
+        plan = plan_peer_pull(request.deployment, request.ctx, decode, candidates)
+    metrics.of(metrics.plans, exchange.model, plan.kind).inc()
+    if plan.prefill is None:
+        return request.body
+    exchange.pd_done = True
+    params = await prefill_leg(exchange, plan.prefill)
+    if params is None:
+        metrics.of(metrics.errors, exchange.model, "prefill_leg").inc()
+        return request.body  # the decode engine prefills itself
+    exchange.prefilled_remotely = True
+    return decode_body(request.payload, params)
+
+
+async def prefill_leg(exchange: Exchange, endpoint: EndpointInfo) -> dict | None:
+    """The prefill leg on `endpoint`: its `kv_transfer_params` for the decode engine, or None when it failed
+    (then the decode engine prefills itself). Counts in that engine's load and prefill backlog while it runs, and
+    keeps the leg's usage on the exchange."""
+    request, router = exchange.request, exchange.router
+    load = router.loads.setdefault(endpoint.id, EndpointLoad())
+    load.begin()
+    lane = load.prefill_began(
+        float(uncached_tokens(request.deployment, request.ctx, endpoint.id)), time.monotonic()
+    )
+    answered = False
+    try:
+        async with (
+            asyncio.timeout(exchange.first_token_timeout),
+            router.upstream.post(
+                endpoint.url + request.scope["path"],
+                prefill_body(request.payload),
+                exchange.upstream_headers(),
+            ) as resp,
+        ):
+            if resp.status != 200:
+                await resp.read()
+                return None
+            answer = orjson.loads(await resp.read())
+            answered = True  # the leg's one token: its prefill is over
+    except (UpstreamError, TimeoutError, orjson.JSONDecodeError) as exc:
+        log.info("prefill leg on %s failed (%s); the decode engine prefills itself", endpoint.name, exc)
+        return None
+    finally:
+        load.end()
+        load.prefill_ended(lane, time.monotonic(), answered)
+    params = answer.get("kv_transfer_params")
+    if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+        return None
+    exchange.prefill_usage = OPENAI.usage_from_body(answer)
+    exchange.prefill_endpoint = endpoint.name
+    return params

@@ -1,14 +1,56 @@
 """The end of every request in one Redis round trip shared by all requests ending together (group commit):
-settle each admission reservation and append each usage event, then let each request return."""
+settle each admission reservation and append each usage event, then let each request return.
+
+A batch Redis cannot take goes to the usage journal (routing/journal.py); a background task replays it, renews
+the concurrency leases and reads the usage stream's lag. If neither Redis nor the journal takes usage,
+`accepting` is False: the router must refuse new work, since it could not bill it. See
+docs/routing.md#failures-timeouts-and-metering.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from dataclasses import dataclass
 
-from tenants.usage_stream import FIELD, UsageEvent, stream_key, stream_maxlen
+from django.conf import settings
+from prometheus_client import Gauge
+from redis.exceptions import ConnectionError, RedisError
 
+from tenants.usage_stream import FIELD, UsageEvent, stream_key, usage_stream_lag
+
+from . import metrics
 from .admission import Admission, Reservation
+from .journal import Journal, JournalError, journal_line, read_lines
+
+log = logging.getLogger(__name__)
+
+KEEP_EVERY_S = 1.0
+LAG_EVERY_S = 5.0
+ORPHANS_EVERY_S = 10.0
+REPLAY_CHUNK = 500
+
+lag_entries = Gauge(
+    "usage_stream_lag_entries",
+    "Usage events in the Redis stream that no worker has acknowledged (written to the ledger) yet.",
+    registry=metrics.registry,
+)
+lag_age = Gauge(
+    "usage_stream_oldest_age_seconds",
+    "Age of the oldest usage event in the Redis stream not yet acknowledged (0 when none).",
+    registry=metrics.registry,
+)
+journal_bytes = Gauge(
+    "router_usage_journal_bytes",
+    "Bytes of usage in this replica's local journal, waiting for Redis to take them.",
+    registry=metrics.registry,
+)
+accepting_gauge = Gauge(
+    "router_usage_accepting",
+    "1 while this replica can record usage (in Redis or in its journal), 0 while it refuses new work.",
+    registry=metrics.registry,
+)
 
 
 @dataclass
@@ -18,13 +60,52 @@ class _Ending:
     event: UsageEvent
     done: asyncio.Future
 
+    def journal_line(self) -> str:
+        settlement = None
+        if self.reservation is not None and self.reservation.scopes:
+            args = Admission.settlement_args(self.reservation, *self.deltas)
+            settlement = {"keys": self.reservation.keys, "args": args}
+        return journal_line(self.event.encode(), settlement)
+
 
 class Finisher:
-    def __init__(self, redis, admission: Admission):
+    def __init__(self, redis, admission: Admission, journal: Journal | None = None):
         self.redis = redis
         self.admission = admission
+        self.journal = journal if journal is not None else Journal()
+        self.redis_timeout = settings.ROUTER_USAGE_REDIS_TIMEOUT
+        # Set when a batch could not be written to Redis; cleared once the journal is replayed. While set,
+        # batches go straight to the journal rather than each waiting for Redis to fail.
+        self.redis_down = False
         self._pending: list[_Ending] = []
         self._scheduled = False
+        self._keeper: asyncio.Task | None = None
+        self.start()
+
+    @property
+    def accepting(self) -> bool:
+        """Whether the router may admit new work: False while usage can be written neither to Redis nor to the
+        journal (full, or the disk refuses it)."""
+        return not (self.redis_down and self.journal.failed)
+
+    def start(self) -> None:
+        """Start the background task (replay, leases, lag) if an event loop runs; idempotent."""
+        if self._keeper is None:
+            try:
+                self._keeper = asyncio.get_running_loop().create_task(self._keep())
+            except RuntimeError:
+                pass
+
+    async def stop(self) -> None:
+        """Stop the background task, and replay what the journal holds if Redis takes it now; what it does not
+        take stays on disk for the next router process to start in the same directory."""
+        if self._keeper is not None:
+            self._keeper.cancel()
+            await asyncio.gather(self._keeper, return_exceptions=True)
+            self._keeper = None
+        if self.redis_down or self.journal.waiting():
+            await self._quietly("replay the usage journal before stopping", self.replay())
+        self.journal.close()
 
     async def finish(
         self,
@@ -35,7 +116,9 @@ class Finisher:
         spend: int,
         event: UsageEvent,
     ) -> None:
-        """Returns once the settlement and the usage event are in Redis."""
+        """Returns once the settlement and the usage event are in Redis, or durably in the journal. Raises when
+        they are in neither (the event is then in the log, at error level)."""
+        self.start()
         loop = asyncio.get_running_loop()
         deltas = (0, 0, 0)
         if reservation is not None and reservation.scopes:
@@ -57,21 +140,122 @@ class Finisher:
         asyncio.get_running_loop().create_task(self._flush(batch))
 
     async def _flush(self, batch: list[_Ending]) -> None:
+        error = None
         try:
-            async with self.redis.pipeline(transaction=False) as pipe:
+            if not self.redis_down:
+                try:
+                    await asyncio.wait_for(self._to_redis_retried(batch), self.redis_timeout)
+                    return
+                except (RedisError, OSError, TimeoutError) as exc:
+                    log.warning("usage: Redis did not take a batch (%r); journaling until it does", exc)
+                    self.redis_down = True
+            try:
+                await asyncio.to_thread(self.journal.append, [ending.journal_line() for ending in batch])
+            except JournalError as exc:
+                error = exc
                 for ending in batch:
-                    reservation = ending.reservation
-                    if reservation is not None and reservation.scopes:
-                        await self.admission.settle_in(pipe, reservation, *ending.deltas)
-                    pipe.xadd(
-                        stream_key(), {FIELD: ending.event.encode()}, maxlen=stream_maxlen(), approximate=True
+                    log.error(
+                        "usage: request %s is NOT recorded (%s): %s",
+                        ending.event.request_id,
+                        exc,
+                        ending.event.encode(),
                     )
-                await pipe.execute()
-        except Exception as exc:
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
             for ending in batch:
+                self.admission.release(ending.reservation)
                 if not ending.done.done():
-                    ending.done.set_exception(exc)
-            return
-        for ending in batch:
-            if not ending.done.done():
-                ending.done.set_result(None)
+                    if error is None:
+                        ending.done.set_result(None)
+                    else:
+                        ending.done.set_exception(error)
+            accepting_gauge.set(1 if self.accepting else 0)
+
+    async def _to_redis_retried(self, batch: list[_Ending]) -> None:
+        """Once more on a connection error: after Redis restarts, each pooled connection fails once (and is
+        dropped) before a fresh one works. The first try may have been applied with its reply lost, so the
+        second settles as a replay does (only what still holds its slot) and the ledger dedupes the events."""
+        try:
+            await self._to_redis(batch)
+        except (ConnectionError, OSError):
+            await self._to_redis(batch, again=True)
+
+    async def _to_redis(self, batch: list[_Ending], again: bool = False) -> None:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for ending in batch:
+                reservation = ending.reservation
+                if reservation is not None and reservation.scopes:
+                    if again:
+                        args = Admission.settlement_args(reservation, *ending.deltas)
+                        await self.admission.settle_replayed_in(pipe, reservation.keys, args)
+                    else:
+                        await self.admission.settle_in(pipe, reservation, *ending.deltas)
+                pipe.xadd(stream_key(), {FIELD: ending.event.encode()})
+            await pipe.execute()
+
+    # --- the background task ----------------------------------------------------------------------------
+    async def replay(self) -> int:
+        """Replay the journal (this process's, and any a dead router process left in the directory) into Redis;
+        return how many requests were replayed. Raises when Redis fails part-way: what was not confirmed stays
+        in the journal, and replaying it again is harmless."""
+        if self.redis_down or self.journal.waiting():
+            await asyncio.wait_for(self.redis.ping(), self.redis_timeout)
+        segments = await asyncio.to_thread(self.journal.sealed)
+        replayed = 0
+        for segment in segments:
+            pairs = await asyncio.to_thread(read_lines, segment.path)
+            for start in range(0, len(pairs), REPLAY_CHUNK):
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    for event, settlement in pairs[start : start + REPLAY_CHUNK]:
+                        if settlement:
+                            await self.admission.settle_replayed_in(
+                                pipe, settlement["keys"], settlement["args"]
+                            )
+                        pipe.xadd(stream_key(), {FIELD: event})
+                    await asyncio.wait_for(pipe.execute(), self.redis_timeout)
+            await asyncio.to_thread(self.journal.done, segment)
+            replayed += len(pairs)
+            log.warning("usage: replayed %d requests from the journal (%s)", len(pairs), segment.path.name)
+        if self.redis_down:
+            log.warning("usage: Redis takes writes again; the journal is replayed")
+        self.redis_down = False
+        if self.journal.failed:
+            await asyncio.to_thread(self.journal.probe)
+        return replayed
+
+    async def _keep(self) -> None:
+        renew_every = self.admission.lease_s / 3
+        tick = min(KEEP_EVERY_S, renew_every)
+        renew_at = lag_at = orphans_at = 0.0
+        while True:
+            await asyncio.sleep(tick)
+            now = time.monotonic()
+            if self.admission.held and now >= renew_at:
+                renew_at = now + renew_every
+                await self._quietly("renew concurrency leases", self.admission.renew_leases())
+            if self.redis_down or self.journal.waiting() or now >= orphans_at:
+                orphans_at = now + ORPHANS_EVERY_S
+                await self._quietly("replay the usage journal", self.replay())
+            if self.journal.failed:
+                # Room again, or the disk back: work is accepted again even while Redis is still down.
+                await asyncio.to_thread(self.journal.probe)
+            if now >= lag_at:
+                lag_at = now + LAG_EVERY_S
+                await self._quietly("read the usage stream's lag", self._read_lag())
+            journal_bytes.set(self.journal.bytes)
+            accepting_gauge.set(1 if self.accepting else 0)
+
+    async def _read_lag(self) -> None:
+        entries, age = await asyncio.wait_for(usage_stream_lag(self.redis), self.redis_timeout)
+        lag_entries.set(entries)
+        lag_age.set(age)
+
+    async def _quietly(self, what: str, work) -> None:
+        try:
+            await work
+        except (RedisError, OSError, TimeoutError) as exc:
+            log.info("usage: could not %s: %r", what, exc)
+        except Exception:
+            log.exception("usage: could not %s", what)

@@ -1,13 +1,9 @@
 """Apply engines' KV-cache events to the prefix index in Redis (layout: routing/prefix_index.py).
 
-For each endpoint the ingester keeps, in memory, the engine's block hashes it has seen, each with the router's key
-for that block and the media (GPU, CPU) that hold it. The map serves two purposes: a BlockStored event's parent is
-resolved to the router key the chain continues from, and a BlockRemoved event's hashes to the index entries it
-deletes, without a read from Redis. `pxe:{endpoint}` in Redis mirrors it, so that a restarted ingester can find
-(and clear) what an earlier one wrote.
-
-Writes are queued in a `Writes` buffer and leave as one Lua script call per poll round, its operations packed in
-one msgpack argument: packing each HSET through redis-py would cost more than everything else per block.
+Per endpoint, an in-memory map from the engine's block hashes to the router's keys and media resolves a
+BlockStored event's parent and a BlockRemoved event's entries without a read from Redis; `pxe:{endpoint}` mirrors
+it for a restarted ingester. Cache salts are read from a first block's `extra_keys`. Writes leave as one Lua call
+per poll round, packed with msgpack. See docs/routing.md#prefix-routing.
 """
 
 from __future__ import annotations
@@ -25,6 +21,7 @@ log = logging.getLogger(__name__)
 GPU, CPU = 1, 2
 MEDIA = {"GPU": GPU, None: GPU, "CPU": CPU}  # vLLM before `medium` existed had only the GPU pool
 MASK = (1 << 64) - 1
+MAX_SEEDS = 65_536  # chain seeds kept per endpoint: one per adapter and salt (tenant, or shared-cache group)
 
 
 # ARGV[1]: msgpack of a flat list of operations: "h" key field value | "d" key field | "x" key.
@@ -99,7 +96,7 @@ class Source:
     # Why this engine's blocks cannot be keyed as the router keys prompts (its block size, its model), or None.
     mismatch: str | None = None
     reported_at: float = -1e9
-    _seeds: dict[str | None, bytes] = field(default_factory=dict)
+    _seeds: dict[tuple[str | None, str | None], bytes] = field(default_factory=dict)
 
     @property
     def px_prefix(self) -> str:
@@ -109,11 +106,26 @@ class Source:
     def map_key(self) -> str:
         return endpoint_map_key(self.endpoint_id)
 
-    def seed(self, lora_name: str | None) -> bytes:
-        seed = self._seeds.get(lora_name)
+    def seed(self, lora_name: str | None, cache_salt: str | None = None) -> bytes:
+        seed = self._seeds.get((lora_name, cache_salt))
         if seed is None:
-            seed = self._seeds[lora_name] = chain_seed(self.model, lora_name)
+            if len(self._seeds) >= MAX_SEEDS:
+                self._seeds.clear()
+            seed = self._seeds[lora_name, cache_salt] = chain_seed(self.model, lora_name, cache_salt)
         return seed
+
+
+def first_block_salt(event: dict) -> str | None:
+    """The cache salt of a parent-less BlockStored's first block, from its `extra_keys` entry: vLLM lists there,
+    in order, the LoRA name (when `lora_name` is set), multimodal `[identifier, offset]` pairs, the salt, and
+    prompt-embedding digests (bytes), so the salt is the one plain string after the LoRA name."""
+    entry = (event.get("extra_keys") or [None])[0]
+    if not entry:
+        return None
+    strings = [key for key in entry if isinstance(key, str)]
+    if event.get("lora_name") is not None:
+        strings = strings[1:]
+    return strings[0] if strings else None
 
 
 def decode_payload(payload: bytes) -> list[dict]:
@@ -162,9 +174,17 @@ def _stored(writes: Writes, source: Source, event: dict) -> int:
             return 0
         parent_key = entry[0]
     hashes = event["block_hashes"]
-    keys = block_keys(
-        event["token_ids"], event["block_size"], source.seed(event.get("lora_name")), parent=parent_key
-    )
+    tokens, size = event["token_ids"], event["block_size"]
+    if parent is not None:
+        keys = block_keys(tokens, size, source.seed(event.get("lora_name")), parent=parent_key)
+    else:
+        # Without extra keys (the CPU tier's events) the event does not say how its first block was salted;
+        # when that block is known by its engine hash (which covers the salt), it keeps its key.
+        known = None if event.get("extra_keys") or not hashes else blocks.get(engine_hash(hashes[0]))
+        if known is not None:
+            keys = [known[0], *block_keys(tokens[size:], size, b"", parent=known[0])]
+        else:
+            keys = block_keys(tokens, size, source.seed(event.get("lora_name"), first_block_salt(event)))
     if len(keys) != len(hashes):
         log.warning(
             "endpoint %s: BlockStored with %d hashes but %d full blocks of tokens; keying the first %d",

@@ -1,17 +1,9 @@
 """The KV-event ingester's loop: follow the endpoints, subscribe to their events, keep each stream in sequence.
 
-Sockets:
-- connect mode: one SUB socket per endpoint, connected to its `kv_events_endpoint` (the engine binds).
-- central-bind mode (setting KV_EVENTS_BIND): one SUB socket bound there, for engines configured with a concrete
-  host (they connect); the topic `kv@HOST:PORT@MODEL` names the endpoint whose URL has that HOST:PORT.
-
-Sequence numbers: each batch must be the previous one plus one. A gap is filled from the engine's replay socket
-when it has one (`GET {url}/kv_event_sources` says where); without one, or when the replay does not reach back far
-enough, the endpoint's entries are dropped and rebuilt from the batches that follow. Blocks the engine cached
-before the gap then stay missing until it stores them again, and blocks it later chains onto them cannot be
-keyed: the index under-reports, it never claims a block that is gone. A number going backwards means the engine
-restarted (its count starts again at 0), so its entries are dropped first. An endpoint that is deleted, or whose
-row says it is now another process (pid, start time, addresses), has its entries dropped as well.
+Connect mode (a SUB socket per endpoint) or central-bind mode (KV_EVENTS_BIND, the topic `kv@HOST:PORT@MODEL`
+naming the endpoint). Each batch must follow the previous one in sequence; a gap is filled from the engine's
+replay socket when it has one, else the endpoint's entries are dropped and rebuilt, so the index under-reports
+rather than claims a block that is gone. See docs/routing.md#prefix-routing.
 """
 
 from __future__ import annotations

@@ -40,6 +40,11 @@ requests = Counter(
 errors = Counter(
     "router_errors", "Requests that ended in an error, by kind.", ["model", "kind"], registry=registry
 )
+dropped_fields = Counter(
+    "router_dropped_request_fields",
+    "Request fields the public APIs do not define, dropped before the request reached an engine.",
+    registry=registry,
+)
 ttft = Histogram(
     "router_time_to_first_token_seconds",
     "Time from request to the first byte of the answer.",
@@ -133,3 +138,37 @@ prediction_ratio = Gauge(
 def of(metric, *labels: str):
     """A metric's child for these label values, looked up once (labels() takes a lock and builds a tuple)."""
     return metric.labels(*labels)
+
+
+# Flow control (routing/flow.py): by model, priority class and tenant id.
+flow_queued = Gauge(
+    "router_flow_queued_requests",
+    "Requests waiting in this router for a saturated deployment.",
+    ["model", "priority_class", "tenant"],
+    registry=registry,
+)
+flow_dispatched = Counter(
+    "router_flow_dispatched",
+    "Requests let through to the engines.",
+    ["model", "priority_class", "tenant"],
+    registry=registry,
+)
+flow_rejected = Counter(
+    "router_flow_rejected",
+    "Requests refused after waiting past their class's limit.",
+    ["model", "priority_class", "tenant"],
+    registry=registry,
+)
+flow_wait = Histogram(
+    "router_flow_wait_seconds",
+    "Time requests waited in this router for a saturated deployment (those that waited).",
+    ["model", "priority_class"],
+    buckets=LATENCY_BUCKETS,
+    registry=registry,
+)
+flow_saturated = Gauge(
+    "router_flow_saturated",
+    "1 while the deployment is saturated, as this router sees it.",
+    ["model"],
+    registry=registry,
+)

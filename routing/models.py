@@ -6,6 +6,8 @@ from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 from django.db.models import Q
 
+from .plugins import REGISTRY
+
 unit_interval = [MinValueValidator(0.0), MaxValueValidator(1.0)]
 
 
@@ -19,7 +21,9 @@ class RoutingMode(models.TextChoices):
 class RoutingPolicy(models.Model):
     """Scorer weights and thresholds for one deployment.
 
-    Each scorer returns a score in [0, 1] per endpoint; the weights combine them and the best total wins.
+    Each scorer returns a score in [0, 1] per endpoint; the weights combine them and the best total wins. Which
+    field weighs which scorer is registered with the scorer (routing/plugins.py). The router reads every field
+    but the deployment and updated_at (policy_fields), with these defaults (routing.state.PolicyInfo).
     """
 
     deployment = models.OneToOneField(
@@ -46,19 +50,42 @@ class RoutingPolicy(models.Model):
     pd_split_threshold_tokens = models.PositiveIntegerField(
         default=1024, help_text="Split prefill from decode when the uncached prompt reaches this many tokens."
     )
+    # Flow control (routing/flow.py, docs/flow-control.md): while the deployment is saturated, new requests wait in
+    # the router, served by priority class, then by weighted fair share of work across tenants and their teams.
+    flow_control = models.BooleanField(
+        default=True,
+        help_text="Hold requests in the router while the deployment is saturated, instead of in the engines' "
+        "queues, and serve them by priority and fair share.",
+    )
+    saturation_waiting_per_engine = models.FloatField(
+        default=0.0,
+        validators=[MinValueValidator(0.0)],
+        help_text="Saturated when the requests queued in the engines (beyond each one's max_num_seqs) exceed this "
+        "many per engine.",
+    )
+    saturation_kv_utilization = models.FloatField(
+        default=0.95,
+        validators=unit_interval,
+        help_text="Saturated when every engine's KV cache is at least this full (0 to 1).",
+    )
+    saturation_prefill_tokens_per_engine = models.PositiveIntegerField(
+        default=65536,
+        help_text="Saturated when the uncached prompt tokens awaiting a first token exceed this many per engine.",
+    )
+    max_wait_interactive_s = models.FloatField(
+        default=30.0,
+        validators=[MinValueValidator(0.0)],
+        help_text="An interactive request waiting longer in the router is refused (429, Retry-After).",
+    )
+    max_wait_standard_s = models.FloatField(default=60.0, validators=[MinValueValidator(0.0)])
+    max_wait_batch_s = models.FloatField(default=300.0, validators=[MinValueValidator(0.0)])
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
         verbose_name_plural = "routing policies"
         constraints = [
             models.CheckConstraint(
-                condition=Q(
-                    prefix_weight__gte=0,
-                    queue_weight__gte=0,
-                    prefill_backlog_weight__gte=0,
-                    kv_utilization_weight__gte=0,
-                    session_affinity_weight__gte=0,
-                ),
+                condition=Q(**{f"{weight}__gte": 0 for weight in REGISTRY.weight_fields}),
                 name="routing_policy_weights_not_negative",
                 violation_error_message="Scorer weights cannot be negative.",
             ),
@@ -77,3 +104,11 @@ class RoutingPolicy(models.Model):
 
     def __str__(self) -> str:
         return f"{self.deployment.name}: {self.get_mode_display()}"
+
+
+def policy_fields() -> tuple[models.Field, ...]:
+    """The routing policy's fields the router reads, in the order declared: all but the deployment it belongs to
+    and the bookkeeping ones."""
+    return tuple(
+        f for f in RoutingPolicy._meta.local_fields if f.editable and not f.primary_key and not f.is_relation
+    )

@@ -113,9 +113,10 @@ class PrefixRouting:
         if tokens is None:
             return ctx
         ctx.prompt_tokens_estimate = len(tokens)
-        ctx.block_keys = self.prompt_keys.hex_keys(
-            tokens, deployment.block_size, chain_seed(deployment.served_model_name)
-        )
+        # The tenant's cache salt (set by the router, never the client's) seeds the chain as it salts the engine's
+        # block hashes: one tenant's prompt never matches blocks another tenant's requests computed.
+        seed = chain_seed(deployment.served_model_name, cache_salt=payload.get("cache_salt"))
+        ctx.block_keys = self.prompt_keys.hex_keys(tokens, deployment.block_size, seed)
         ctx.block_count = len(ctx.block_keys)
         if deployment.policy.mode == "precise":
             ctx.held, ctx.from_index = await self._precise_held(deployment, ctx.block_keys)

@@ -1,10 +1,9 @@
 """Whether prefix routing sees what the engines hold, per deployment, across every router replica.
 
-llm-d's users keep meeting a precise scorer that silently scores zero (a hash seed, block size or topic that does
-not match the engines'). Here each replica adds, per deployment, the cached tokens it predicted and those the
-engines then reported, and the requests it could not render, to per-minute counters in Redis. The ratio of
-predicted to reported over the last few minutes is exported as a metric and shown on the deployment's portal
-page, flagged when it drifts.
+Each replica adds, per deployment, the cached tokens it predicted and those the engines then reported, and the
+requests it could not render, to per-minute counters in Redis; the ratio is exported as a metric and shown on the
+deployment's portal page, flagged when it drifts (a precise scorer that silently scores zero: a hash seed, block
+size or topic that does not match the engines'). See docs/routing.md#prefix-routing.
 """
 
 from __future__ import annotations

@@ -6,11 +6,10 @@ Layout (block keys are the router's, 16 hex characters, see routing/blocks.py):
     pxe:{endpoint}                HASH  engine block hash (decimal) -> "{deployment}:{block key}"
     pxsp:{deployment}             ZSET  "{endpoint}|{block key}" scored by the time its speculative entry expires
 
-The KV-event ingester owns `pxe:` and writes "g"/"c" entries; the router writes "s" entries right after each
-routing decision (so a burst of sub-agents sharing a new prefix does not all miss before the events arrive), and
-they lapse after a few seconds unless an event confirms them. A lookup is one Lua script call: it walks the
-prompt's blocks from the first (or, for long prompts, bisects them) and returns, per endpoint, how many leading
-blocks it holds in each tier. Speculative blocks of a long prompt count as GPU blocks.
+The KV-event ingester owns `pxe:` and writes "g"/"c" entries; the router writes "s" entries after each routing
+decision, which lapse unless an event confirms them. A lookup is one Lua call that returns, per endpoint, how many
+of the prompt's leading blocks it holds in each tier; speculative blocks of a long prompt count as GPU blocks.
+See docs/routing.md#prefix-routing.
 """
 
 from __future__ import annotations

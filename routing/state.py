@@ -1,20 +1,24 @@
 """What the router needs from Postgres, held in memory so the request path makes no database query.
 
 A snapshot holds the active keys (by HMAC), the deployments with their healthy endpoints and policies, quotas
-and price sheets. Each replica reloads it when the shared config version in Redis changes (every committed change
-to these tables bumps it) and at least every `ROUTER_SNAPSHOT_MAX_AGE` seconds, so a revocation reaches every
-replica within the poll interval.
+and price sheets; each replica reloads it when the shared config version in Redis changes and at least every
+`ROUTER_SNAPSHOT_MAX_AGE` seconds. See docs/routing.md#the-snapshot.
 """
 
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
+import enum
+import hmac
+from dataclasses import dataclass, field, make_dataclass
 from datetime import datetime
 from decimal import Decimal
 
+from django.conf import settings
 from django.db.models import Q
 from django.utils import timezone
+
+from .models import RoutingMode, RoutingPolicy, policy_fields
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +29,17 @@ class KeyInfo:
     tenant_id: int
     scopes: frozenset[str]
     expires_at: datetime | None
+    # vLLM's `cache_salt` for this key's tenant: its requests hit only KV blocks its own tenant (or the tenants of
+    # its shared cache group) computed.
+    cache_salt: str = ""
+    # The deployments it may call (ids), or None for every one served (tenants.models.Team.restrict_models).
+    deployments: frozenset[int] | None = None
+    priority_class: str = "standard"  # its requests' class: the key's, else its team's, within the tenant's
+    tenant_weight: int = 1  # fair share of its tenant among tenants, and of its team within the tenant
+    team_weight: int = 1
+
+    def may_call(self, deployment_id: int) -> bool:
+        return self.deployments is None or deployment_id in self.deployments
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,20 +50,33 @@ class EndpointInfo:
     role: str
     pool_id: int
     kv_both: bool = False  # produces and consumes KV over NIXL: can take part in peer pulls
+    max_num_seqs: int = 256  # requests it runs at once; beyond them requests wait in its queue
 
 
-@dataclass(frozen=True, slots=True)
-class PolicyInfo:
-    mode: str = "round_robin"
-    prefix_weight: float = 3.0
-    queue_weight: float = 2.0
-    prefill_backlog_weight: float = 1.0
-    kv_utilization_weight: float = 1.0
-    session_affinity_weight: float = 1.0
-    gpu_tier_weight: float = 1.0
-    cpu_tier_weight: float = 0.8
-    load_guard_ratio: float = 1.3
-    pd_split_threshold_tokens: int = 1024
+# Endpoint roles: the decode side (an aggregated engine does both) and the prefill side of a P/D deployment.
+DECODE_ROLES = ("both", "decode")
+PREFILL_ROLES = ("prefill",)
+
+
+def _plain(value):
+    return value.value if isinstance(value, enum.Enum) else value
+
+
+# A deployment's routing policy as the request path reads it: RoutingPolicy's fields (policy_fields), with the
+# model's defaults.
+PolicyInfo = make_dataclass(
+    "PolicyInfo",
+    [(f.name, type(_plain(f.default)), field(default=_plain(f.default))) for f in policy_fields()],
+    frozen=True,
+    slots=True,
+)
+PolicyInfo.__module__ = __name__
+# A deployment without a routing policy is routed round-robin.
+NO_POLICY = PolicyInfo(mode=RoutingMode.ROUND_ROBIN.value)
+
+
+def policy_info(policy: RoutingPolicy) -> PolicyInfo:
+    return PolicyInfo(**{f.name: getattr(policy, f.name) for f in policy_fields()})
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,10 +91,13 @@ class DeploymentInfo:
     created: int
     tokenizer_path: str = ""
     chat_template: str = ""  # the deployment's override of the model's own template
+    first_token_timeout: float = 600.0
+    stall_timeout: float = 120.0
+    engine_key: str = ""  # the bearer token its engines accept (serving/engine_keys.py)
 
     @property
     def has_prefill_pool(self) -> bool:
-        return any(e.role == "prefill" for e in self.endpoints)
+        return any(e.role in PREFILL_ROLES for e in self.endpoints)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +127,28 @@ class Snapshot:
     key_quotas: dict[int, QuotaInfo] = field(default_factory=dict)
     # (model, tenant id or None) -> sorted start times and the prices that start then
     prices: dict[tuple[str, int | None], tuple[list[datetime], list[Prices]]] = field(default_factory=dict)
+    # (tenant id, alias) -> the served model name it stands for
+    aliases: dict[tuple[int, str], str] = field(default_factory=dict)
     version: str = ""
+
+    def deployment_for_key(self, key: KeyInfo, model: str) -> DeploymentInfo | None:
+        """What `model` (a served model's name, or one of the key's tenant's aliases) names for this key: None
+        when nothing of that name is served or the key may not call it (the same answer, so a key cannot learn
+        what other teams are served)."""
+        deployment = self.deployments.get(self.aliases.get((key.tenant_id, model), model))
+        if deployment is None or not key.may_call(deployment.id):
+            return None
+        return deployment
+
+    def models_for_key(self, key: KeyInfo) -> list[tuple[str, DeploymentInfo]]:
+        """The names the key may call, sorted: the served models it is entitled to and its tenant's aliases of
+        them."""
+        names = [(name, d) for name, d in self.deployments.items() if key.may_call(d.id)]
+        for (tenant_id, alias), target in self.aliases.items():
+            deployment = self.deployments.get(target)
+            if tenant_id == key.tenant_id and deployment is not None and key.may_call(deployment.id):
+                names.append((alias, deployment))
+        return sorted(names, key=lambda item: item[0])
 
     def prices_for(self, model: str, tenant_id: int, at: datetime) -> Prices | None:
         for owner in (tenant_id, None):
@@ -106,6 +158,14 @@ class Snapshot:
                 if index >= 0:
                     return entry[1][index]
         return None
+
+
+def cache_salt(owner: str) -> str:
+    """The `cache_salt` of a cache owner (a tenant, or a group of tenants sharing one cache): an HMAC under the
+    platform's pepper, so it can be neither guessed nor chosen by a client."""
+    return hmac.new(
+        settings.API_KEY_PEPPER.encode(), f"kv-cache-salt\x00{owner}".encode(), "sha256"
+    ).hexdigest()[:32]
 
 
 def _quota(q) -> QuotaInfo:
@@ -122,25 +182,70 @@ def _quota(q) -> QuotaInfo:
 
 def load_snapshot(version: str = "") -> Snapshot:
     """Read everything the request path needs. Runs in a thread (sync ORM), a handful of queries."""
-    from routing.models import RoutingPolicy
+    from serving.engine_keys import engine_api_key
     from serving.models import DesiredStatus, Endpoint, Health, ModelDeployment
-    from tenants.models import ApiKey, PriceSheet, Quota
+    from tenants.models import ApiKey, ModelAlias, PriceSheet, Quota, Team, priority_within
 
     now = timezone.now()
     snapshot = Snapshot(version=version)
+    team_models: dict[int, set[int]] = {}
+    for team_id, deployment_id in Team.deployments.through.objects.values_list(
+        "team_id", "modeldeployment_id"
+    ):
+        team_models.setdefault(team_id, set()).add(deployment_id)
+    key_models: dict[int, set[int]] = {}
+    for key_id, deployment_id in ApiKey.deployments.through.objects.values_list(
+        "apikey_id", "modeldeployment_id"
+    ):
+        key_models.setdefault(key_id, set()).add(deployment_id)
     active_keys = ApiKey.objects.filter(
         Q(expires_at__isnull=True) | Q(expires_at__gt=now),
         revoked_at__isnull=True,
         team__tenant__is_active=True,
-    ).values_list("id", "public_id", "secret_hmac", "team_id", "team__tenant_id", "scopes", "expires_at")
-    for key_id, public_id, secret_hmac, team_id, tenant_id, scopes, expires_at in active_keys:
+    ).values_list(
+        "id",
+        "public_id",
+        "secret_hmac",
+        "team_id",
+        "team__tenant_id",
+        "scopes",
+        "expires_at",
+        "team__tenant__kv_cache_group",
+        "priority_class",
+        "team__priority_class",
+        "team__tenant__max_priority_class",
+        "team__restrict_models",
+        "team__fair_share_weight",
+        "team__tenant__fair_share_weight",
+    )
+    salts: dict[str, str] = {}
+    for row in active_keys:
+        key_id, public_id, secret_hmac, team_id, tenant_id, scopes, expires_at, group = row[:8]
+        own_class, team_class, max_class, restricted, team_weight, tenant_weight = row[8:]
+        owner = f"group:{group}" if group else f"tenant:{tenant_id}"
+        salt = salts.get(owner) or salts.setdefault(owner, cache_salt(owner))
+        allowed = frozenset(team_models.get(team_id, ())) if restricted else None
+        if key_id in key_models:  # a key's own list narrows its team's
+            allowed = frozenset(key_models[key_id] if allowed is None else key_models[key_id] & allowed)
         snapshot.keys[secret_hmac] = KeyInfo(
-            key_id, f"ipk_{public_id}", team_id, tenant_id, frozenset(scopes), expires_at
+            key_id,
+            f"ipk_{public_id}",
+            team_id,
+            tenant_id,
+            frozenset(scopes),
+            expires_at,
+            salt,
+            deployments=allowed,
+            priority_class=priority_within(own_class or team_class, max_class),
+            tenant_weight=tenant_weight,
+            team_weight=team_weight,
         )
 
     policies = {p.deployment_id: p for p in RoutingPolicy.objects.all()}
     endpoints: dict[int, list[EndpointInfo]] = {}
-    for endpoint in Endpoint.objects.filter(health=Health.HEALTHY).select_related("pool").order_by("name"):
+    # A draining endpoint (serving/drain.py) gets no new requests: it finishes what it has, then stops.
+    serving = Endpoint.objects.filter(health=Health.HEALTHY, draining_since__isnull=True)
+    for endpoint in serving.select_related("pool").order_by("name"):
         endpoints.setdefault(endpoint.pool.deployment_id, []).append(
             EndpointInfo(
                 endpoint.id,
@@ -150,6 +255,7 @@ def load_snapshot(version: str = "") -> Snapshot:
                 endpoint.pool_id,
                 kv_both=endpoint.role == "both"
                 and endpoint.pool.kv_connector in ("NixlConnector", "MultiConnector"),
+                max_num_seqs=endpoint.pool.max_num_seqs,
             )
         )
     for deployment in ModelDeployment.objects.filter(desired_status=DesiredStatus.RUNNING):
@@ -160,25 +266,22 @@ def load_snapshot(version: str = "") -> Snapshot:
             served_model_name=deployment.served_model_name,
             max_model_len=deployment.max_model_len,
             block_size=deployment.block_size,
-            policy=PolicyInfo(
-                mode=policy.mode,
-                prefix_weight=policy.prefix_weight,
-                queue_weight=policy.queue_weight,
-                prefill_backlog_weight=policy.prefill_backlog_weight,
-                kv_utilization_weight=policy.kv_utilization_weight,
-                session_affinity_weight=policy.session_affinity_weight,
-                gpu_tier_weight=policy.gpu_tier_weight,
-                cpu_tier_weight=policy.cpu_tier_weight,
-                load_guard_ratio=policy.load_guard_ratio,
-                pd_split_threshold_tokens=policy.pd_split_threshold_tokens,
-            )
-            if policy
-            else PolicyInfo(),
+            policy=policy_info(policy) if policy else NO_POLICY,
             endpoints=tuple(endpoints.get(deployment.id, ())),
             created=int(deployment.created_at.timestamp()),
             tokenizer_path=deployment.tokenizer or deployment.model_source,
             chat_template=deployment.chat_template,
+            first_token_timeout=float(deployment.first_token_timeout_s),
+            stall_timeout=float(deployment.stall_timeout_s),
+            engine_key=engine_api_key(deployment.id),
         )
+
+    served = {d.id: name for name, d in snapshot.deployments.items()}
+    for tenant_id, alias, deployment_id in ModelAlias.objects.values_list(
+        "tenant_id", "name", "deployment_id"
+    ):
+        if deployment_id in served:
+            snapshot.aliases[(tenant_id, alias)] = served[deployment_id]
 
     for quota in Quota.objects.all():
         if quota.api_key_id:

@@ -1,16 +1,11 @@
 """The router's HTTP/1.1 client for engine calls: keep-alive connections per engine, httptools for parsing.
 
-A request to an engine is one POST with a small JSON body, answered with JSON or a server-sent event stream,
-and the router relays every chunk as it comes. A general client (aiohttp) spent about a quarter of the router's
-CPU per streamed request on that (request objects, payload wrappers, header multidicts, timers); this one writes
-the request in one `write` and hands the body on as the parser produces it.
-
-- Connections are kept per (host, port) and reused once a response was read to its end; one whose response was
-  not read to its end (the client went away, an error) is closed, which is how an engine learns to abort.
-- A reused connection that the engine had closed while idle fails before any byte of a response; such a request
-  is sent once more on a new connection.
-- Reading pauses while more than READ_HIGH_WATER bytes wait for the router, so a slow client slows the engine's
-  socket rather than filling memory.
+The request is written in one `write` and the body handed on as the parser produces it (a general client spent
+about a quarter of the router's CPU per streamed request). Connections are kept per (host, port) and reused once a
+response was read to its end; one not read to its end is closed, which is how an engine learns to abort. A reused
+connection the engine had closed while idle fails before any byte of a response, and the request is sent once
+more on a new one. Reading pauses while more than READ_HIGH_WATER bytes wait for the router. See
+docs/routing.md#the-request-path.
 """
 
 from __future__ import annotations
@@ -31,6 +26,10 @@ class UpstreamError(Exception):
 
 class UpstreamConnectError(UpstreamError):
     pass
+
+
+class UpstreamTimeout(UpstreamError):
+    """The engine sent nothing within a time limit (its first token, or the next piece of a stream)."""
 
 
 class UpstreamClosed(UpstreamError):

@@ -4,7 +4,7 @@ from tenants.admin_audit import AuditedAdmin
 from tenants.audit import snapshot
 
 from . import services
-from .models import Endpoint, ModelDeployment, Pool
+from .models import AutoscalingPolicy, Endpoint, EndpointLifetime, ModelDeployment, Pool, ScalingEvent
 
 
 class PoolInline(admin.StackedInline):
@@ -141,6 +141,17 @@ class ModelDeploymentAdmin(AuditedAdmin):
         data["pools"] = {pool.name: snapshot(pool) for pool in obj.pools.order_by("name")}
         return data
 
+    def save_formset(self, request, form, formset, change):
+        """A pool's replicas set here by hand pause its autoscaling, as everywhere else."""
+        before = {
+            f.instance.pk: Pool.objects.get(pk=f.instance.pk).replicas
+            for f in formset.forms
+            if isinstance(f.instance, Pool) and f.instance.pk and "replicas" in f.changed_data
+        }
+        super().save_formset(request, form, formset, change)
+        for pool in Pool.objects.filter(pk__in=before):
+            services.autoscaling_pause(actor=request.user, source="admin", pool=pool, before=before[pool.pk])
+
     # The admin saves the deployment and its pools in one transaction; reconcile once it commits.
     def save_model(self, request, obj, form, change):
         super().save_model(request, obj, form, change)
@@ -172,3 +183,66 @@ class EndpointAdmin(admin.ModelAdmin):
 
     def has_delete_permission(self, request, obj=None):
         return False
+
+
+@admin.register(AutoscalingPolicy)
+class AutoscalingPolicyAdmin(AuditedAdmin):
+    audit_name = "autoscaling_policy"
+    list_display = ["pool", "enabled", "min_replicas", "max_replicas", "paused_reason", "updated_at"]
+    list_filter = ["enabled", "pool__role"]
+    list_select_related = ["pool__deployment"]
+    readonly_fields = ["paused_reason", "updated_at"]
+    fieldsets = [
+        (None, {"fields": ["pool", "enabled", ("min_replicas", "max_replicas"), "paused_reason"]}),
+        (
+            "Prefill and aggregated pools",
+            {"fields": [("ttft_p90_s", "queued_prompt_tokens_per_replica")]},
+        ),
+        (
+            "Decode and aggregated pools",
+            {"fields": [("itl_p90_s", "kv_cache_utilization", "running_requests_per_replica")]},
+        ),
+        (
+            "Pace",
+            {
+                "fields": [
+                    ("scale_up_window_s", "scale_down_window_s"),
+                    ("max_scale_up_step", "max_scale_down_step"),
+                ]
+            },
+        ),
+    ]
+
+
+class ReadOnlyAdmin(admin.ModelAdmin):
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False
+
+
+@admin.register(ScalingEvent)
+class ScalingEventAdmin(ReadOnlyAdmin):
+    list_display = ["at", "pool", "from_replicas", "to_replicas", "actor", "reason"]
+    list_filter = ["actor", "pool__deployment"]
+    list_select_related = ["pool__deployment"]
+
+
+@admin.register(EndpointLifetime)
+class EndpointLifetimeAdmin(ReadOnlyAdmin):
+    list_display = [
+        "endpoint_name",
+        "deployment_name",
+        "pool_name",
+        "accelerator",
+        "gpus",
+        "started_at",
+        "ready_at",
+        "draining_at",
+        "stopped_at",
+    ]
+    list_filter = ["deployment_name", "accelerator"]

@@ -41,12 +41,30 @@ class ObservedStatus(models.TextChoices):
     FAILED = "failed", "Failed"
 
 
+def not_an_alias(name: str) -> None:
+    """A served model's name may not be a name some tenant's agents already call as an alias: the alias would
+    hide the model from that tenant."""
+    from django.core.exceptions import ValidationError
+
+    from tenants.models import ModelAlias
+
+    alias = ModelAlias.objects.filter(name=name).select_related("tenant").first()
+    if alias is not None:
+        raise ValidationError(
+            f"`{name}` is an alias of tenant `{alias.tenant.slug}` for another deployment: choose another name, "
+            "or delete or rename that alias first."
+        )
+
+
 class ModelDeployment(models.Model):
     """One served model: where its weights come from, which engine serves it and where it runs."""
 
     name = models.SlugField(max_length=63, unique=True, validators=[slug_validator])
     served_model_name = models.CharField(
-        max_length=200, unique=True, help_text="The `model` clients put in their requests."
+        max_length=200,
+        unique=True,
+        validators=[not_an_alias],
+        help_text="The `model` clients put in their requests.",
     )
     model_source = models.CharField(max_length=500, help_text="A model hub id or a path to a model folder.")
     revision = models.CharField(max_length=100, blank=True)
@@ -89,6 +107,23 @@ class ModelDeployment(models.Model):
         db_default="",
         validators=[validate_chat_template],
         help_text="A Jinja chat template that replaces the model's own. Blank: the model's own.",
+    )
+    # How long the router waits on an engine (routing/app.py): for the first token of a streamed answer (the
+    # whole of an answer not streamed), then between two pieces of a stream. An engine that sends nothing in
+    # time is given up: for another engine while nothing has reached the client, with an error event after.
+    first_token_timeout_s = models.PositiveIntegerField(
+        "first-token timeout (s)",
+        default=600,
+        db_default=600,
+        validators=[MinValueValidator(1)],
+        help_text="Longest wait for an engine's first token (for an answer not streamed: the whole answer).",
+    )
+    stall_timeout_s = models.PositiveIntegerField(
+        "stall timeout (s)",
+        default=120,
+        db_default=120,
+        validators=[MinValueValidator(1)],
+        help_text="Longest silence between two pieces of a streamed answer.",
     )
     desired_status = models.CharField(
         max_length=8, choices=DesiredStatus.choices, default=DesiredStatus.RUNNING
@@ -250,6 +285,14 @@ class Endpoint(models.Model):
     next_restart_at = models.DateTimeField(
         null=True, blank=True, help_text="A crashed engine is not restarted before this time."
     )
+    draining_since = models.DateTimeField(
+        null=True,
+        blank=True,
+        help_text="Set when chosen for removal: routers send it nothing new; it stops once its requests end.",
+    )
+    lifetime = models.ForeignKey(
+        "EndpointLifetime", on_delete=models.SET_NULL, null=True, blank=True, related_name="+"
+    )
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -261,3 +304,157 @@ class Endpoint(models.Model):
 
     def __str__(self) -> str:
         return f"{self.name} ({self.url})"
+
+
+# Which autoscaling targets each role can have: a prefill pool has no decode to measure, and the reverse.
+PREFILL_TARGETS = ("ttft_p90_s", "queued_prompt_tokens_per_replica")
+DECODE_TARGETS = ("itl_p90_s", "kv_cache_utilization", "running_requests_per_replica")
+TARGETS_OF_ROLE = {
+    PoolRole.PREFILL: PREFILL_TARGETS,
+    PoolRole.DECODE: DECODE_TARGETS,
+    PoolRole.BOTH: PREFILL_TARGETS + DECODE_TARGETS,
+}
+
+
+class AutoscalingPolicy(models.Model):
+    """How one pool's replicas follow demand (serving/autoscaling.py applies it). Each target is optional; the
+    pool gets the replicas the most demanding of its targets needs, within [min_replicas, max_replicas]."""
+
+    pool = models.OneToOneField(Pool, on_delete=models.CASCADE, related_name="autoscaling")
+    enabled = models.BooleanField(default=False)
+    min_replicas = models.PositiveIntegerField(
+        default=1, validators=[MinValueValidator(1), MaxValueValidator(1024)]
+    )
+    max_replicas = models.PositiveIntegerField(
+        default=4, validators=[MinValueValidator(1), MaxValueValidator(1024)]
+    )
+    # Prefill and aggregated pools.
+    ttft_p90_s = models.FloatField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(0.001)],
+        help_text="Objective for the 90th percentile of time to first token, in seconds.",
+    )
+    queued_prompt_tokens_per_replica = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1)],
+        help_text="Uncached prompt tokens waiting for prefill, per replica.",
+    )
+    # Decode and aggregated pools.
+    itl_p90_s = models.FloatField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(0.0001)],
+        help_text="Objective for the 90th percentile of inter-token latency, in seconds.",
+    )
+    kv_cache_utilization = models.FloatField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(0.01), MaxValueValidator(1.0)],
+        help_text="Mean KV-cache use across replicas, a fraction (0.01 to 1).",
+    )
+    running_requests_per_replica = models.PositiveIntegerField(
+        null=True, blank=True, validators=[MinValueValidator(1)], help_text="Sequences decoding, per replica."
+    )
+    scale_up_window_s = models.PositiveIntegerField(
+        default=15, help_text="Scale up only to what every recommendation over this window asked for."
+    )
+    scale_down_window_s = models.PositiveIntegerField(
+        default=300, help_text="Scale down only to what every recommendation over this window allowed."
+    )
+    max_scale_up_step = models.PositiveIntegerField(default=4, validators=[MinValueValidator(1)])
+    max_scale_down_step = models.PositiveIntegerField(default=1, validators=[MinValueValidator(1)])
+    paused_reason = models.CharField(
+        max_length=200, blank=True, editable=False, help_text="Why it was turned off (a manual edit)."
+    )
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        verbose_name_plural = "autoscaling policies"
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(min_replicas__lte=models.F("max_replicas")),
+                name="autoscaling_min_not_above_max",
+                violation_error_message="The minimum replicas cannot be above the maximum.",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"autoscaling of {self.pool}"
+
+    def save(self, *args, **kwargs):
+        if self.enabled:
+            self.paused_reason = ""  # turned back on
+        super().save(*args, **kwargs)
+
+    def targets(self) -> dict[str, float]:
+        """The targets set, by field name."""
+        return {
+            name: value
+            for name in PREFILL_TARGETS + DECODE_TARGETS
+            if (value := getattr(self, name)) is not None
+        }
+
+    def clean(self) -> None:
+        from django.core.exceptions import ValidationError
+
+        errors: dict[str, str] = {}
+        if self.min_replicas is not None and self.max_replicas is not None:
+            if self.min_replicas > self.max_replicas:
+                errors["min_replicas"] = (
+                    f"The minimum ({self.min_replicas}) is above the maximum ({self.max_replicas})."
+                )
+        role = self.pool.role if self.pool_id else None
+        if role is not None:
+            allowed = TARGETS_OF_ROLE[role]
+            for name in self.targets():
+                if name not in allowed:
+                    errors[name] = (
+                        f"A {PoolRole(role).label.lower()} pool has no {name.replace('_', ' ')} signal; "
+                        f"its targets are: {', '.join(allowed)}."
+                    )
+        if self.enabled and not self.targets():
+            errors["enabled"] = "Set at least one target before turning autoscaling on."
+        if errors:
+            raise ValidationError(errors)
+
+
+class ScalingEvent(models.Model):
+    """One change of a pool's replicas by the autoscaler, or an operator's edit that paused it."""
+
+    pool = models.ForeignKey(Pool, on_delete=models.CASCADE, related_name="scaling_events")
+    at = models.DateTimeField(auto_now_add=True, db_index=True)
+    from_replicas = models.PositiveIntegerField()
+    to_replicas = models.PositiveIntegerField()
+    actor = models.CharField(max_length=40, default="autoscaler")
+    signals = models.JSONField(default=dict, help_text="The signal values the decision read.")
+    reason = models.TextField()
+
+    class Meta:
+        ordering = ["-at"]
+
+    def __str__(self) -> str:
+        return f"{self.pool}: {self.from_replicas} -> {self.to_replicas} ({self.reason})"
+
+
+class EndpointLifetime(models.Model):
+    """When one engine ran: started, ready, draining, stopped. Cost to serve sums these GPU-hours, and the
+    autoscaler reads a pool's start-up time (ready - started) from them. Kept after the endpoint and pool go."""
+
+    pool = models.ForeignKey(Pool, on_delete=models.SET_NULL, null=True, related_name="lifetimes")
+    deployment_name = models.CharField(max_length=63)
+    pool_name = models.CharField(max_length=40)
+    endpoint_name = models.CharField(max_length=120)
+    accelerator = models.CharField(max_length=64, blank=True)
+    gpus = models.PositiveSmallIntegerField(default=0)
+    started_at = models.DateTimeField(db_index=True)
+    ready_at = models.DateTimeField(null=True, blank=True)
+    draining_at = models.DateTimeField(null=True, blank=True)
+    stopped_at = models.DateTimeField(null=True, blank=True, db_index=True)
+
+    class Meta:
+        ordering = ["-started_at"]
+
+    def __str__(self) -> str:
+        return f"{self.endpoint_name} from {self.started_at:%Y-%m-%d %H:%M:%S}"

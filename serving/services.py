@@ -1,17 +1,35 @@
-"""Serving services: reconcile deployments with what runs, and ask for that after every change."""
+"""Serving services: change deployments (each change audited and followed by a reconcile), and reconcile them
+with what runs.
+
+The deployment writes are the only place a deployment or its pools are created, changed or deleted: the REST API,
+the portal and the demo bootstrap call them, each naming itself as the audit row's `source` ("api", "portal",
+"system").
+"""
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
+from django.core.exceptions import ValidationError
 from django.db import connection, transaction
 from django.utils import timezone
 
-from tenants.audit import snapshot
+from tenants.audit import audit_record, changes, snapshot
 
-from .models import Endpoint, ModelDeployment, ObservedStatus, OrchestratorKind
+from .models import (
+    AutoscalingPolicy,
+    Endpoint,
+    ModelDeployment,
+    ObservedStatus,
+    OrchestratorKind,
+    Pool,
+    PoolRole,
+    ScalingEvent,
+)
 from .orchestrators import ORCHESTRATORS, LocalOrchestrator, ReconcileResult, orchestrator_for
 
 log = logging.getLogger(__name__)
@@ -22,6 +40,153 @@ def deployment_snapshot(deployment: ModelDeployment) -> dict:
     data = snapshot(deployment)
     data["pools"] = {pool.name: snapshot(pool) for pool in deployment.pools.order_by("name")}
     return data
+
+
+def pools_check(pools: Sequence[Mapping[str, Any]]) -> None:
+    """A deployment's set of pools: unique names, and prefill and decode pools only together."""
+    names = [pool["name"] for pool in pools]
+    if len(names) != len(set(names)):
+        raise ValidationError("Pool names must be unique within a deployment.")
+    roles = {pool.get("role", PoolRole.BOTH) for pool in pools}
+    if (PoolRole.PREFILL in roles) != (PoolRole.DECODE in roles):
+        raise ValidationError("A disaggregated deployment needs both a prefill and a decode pool.")
+
+
+def _pool_save(pool: Pool, fields: Mapping[str, Any]) -> None:
+    for name, value in fields.items():
+        setattr(pool, name, value)
+    pool.full_clean()
+    pool.save()
+
+
+def deployment_create(
+    *,
+    actor,
+    source: str,
+    fields: Mapping[str, Any],
+    pools: Sequence[Mapping[str, Any]] = (),
+) -> ModelDeployment:
+    """A deployment with its pools (each a mapping of Pool fields); its engines start on the reconcile that
+    follows the commit. Raises ValidationError for what the models refuse."""
+    pools_check(pools)
+    with transaction.atomic():
+        deployment = ModelDeployment(**fields)
+        deployment.full_clean()
+        deployment.save()
+        for pool_fields in pools:
+            _pool_save(Pool(deployment=deployment), pool_fields)
+        audit_record(
+            actor=actor,
+            action="deployment.create",
+            instance=deployment,
+            source=source,
+            details={"after": deployment_snapshot(deployment)},
+        )
+        deployment_changed(deployment_id=deployment.pk)
+    return deployment
+
+
+def deployment_update(
+    *,
+    actor,
+    source: str,
+    deployment: ModelDeployment,
+    fields: Mapping[str, Any],
+    pools: Sequence[Mapping[str, Any]] | None = None,
+) -> ModelDeployment:
+    """Change a deployment's fields; `pools`, when given, is its whole new set of pools, matched by name (those
+    not named are deleted). Audited when anything changed; reconciled after the commit either way."""
+    if pools is not None:
+        pools_check(pools)
+    with transaction.atomic():
+        deployment = ModelDeployment.objects.select_for_update().get(pk=deployment.pk)
+        before = deployment_snapshot(deployment)
+        for name, value in fields.items():
+            setattr(deployment, name, value)
+        deployment.full_clean()
+        deployment.save()
+        if pools is not None:
+            deployment.pools.exclude(name__in=[pool["name"] for pool in pools]).delete()
+            existing = {pool.name: pool for pool in deployment.pools.all()}
+            for pool_fields in pools:
+                pool = existing.get(pool_fields["name"]) or Pool(deployment=deployment)
+                replicas_before = pool.replicas if pool.pk else None
+                _pool_save(pool, pool_fields)
+                if replicas_before is not None and replicas_before != pool.replicas:
+                    autoscaling_pause(actor=actor, source=source, pool=pool, before=replicas_before)
+        diff = changes(before, deployment_snapshot(deployment))
+        if diff:
+            audit_record(
+                actor=actor,
+                action="deployment.update",
+                instance=deployment,
+                source=source,
+                details={"changes": diff},
+            )
+        deployment_changed(deployment_id=deployment.pk)
+    return deployment
+
+
+AUTOSCALER = "autoscaler"  # the source (and actor) of the autoscaler's changes
+
+
+def pool_scale(*, actor, source: str, pool: Pool, replicas: int) -> bool:
+    """Set a pool's replicas; returns False when it already had that many. A person's change (any source but
+    the autoscaler's) turns the pool's autoscaling off, so the autoscaler never undoes it; it is recorded as a
+    scaling event beside the autoscaler's."""
+    with transaction.atomic():
+        pool = Pool.objects.select_for_update().get(pk=pool.pk)
+        if pool.replicas == replicas:
+            return False
+        before = pool.replicas
+        pool.replicas = replicas
+        pool.full_clean()
+        pool.save(update_fields=["replicas"])
+        audit_record(
+            actor=actor,
+            action="deployment.scale",
+            instance=pool.deployment,
+            source=source,
+            details={"changes": {f"pools.{pool.name}.replicas": [before, replicas]}},
+        )
+        if source != AUTOSCALER:
+            autoscaling_pause(actor=actor, source=source, pool=pool, before=before)
+        deployment_changed(deployment_id=pool.deployment_id)
+    return True
+
+
+def autoscaling_pause(*, actor, source: str, pool: Pool, before: int) -> bool:
+    """A person set a pool's replicas (from `before` to what it has now): its autoscaling goes off until it is
+    turned back on, so the autoscaler never undoes the edit; recorded as a scaling event. True if it was on."""
+    who = getattr(actor, "get_username", lambda: "the system")() if actor is not None else "the system"
+    paused = AutoscalingPolicy.objects.filter(pool=pool, enabled=True).update(
+        enabled=False,
+        paused_reason=f"Paused: {who} set the replicas to {pool.replicas} ({source}).",
+        updated_at=timezone.now(),
+    )
+    if paused:
+        ScalingEvent.objects.create(
+            pool=pool,
+            from_replicas=before,
+            to_replicas=pool.replicas,
+            actor=who[:40],
+            reason=f"set by hand ({source}); autoscaling paused until it is turned back on",
+        )
+    return bool(paused)
+
+
+def deployment_delete(*, actor, source: str, deployment: ModelDeployment) -> None:
+    """Delete a deployment and its pools; its engines are stopped by the sweep that follows the commit."""
+    with transaction.atomic():
+        audit_record(
+            actor=actor,
+            action="deployment.delete",
+            instance=deployment,
+            source=source,
+            details={"before": deployment_snapshot(deployment)},
+        )
+        deployment.delete()
+        deployment_deleted()
 
 
 # The first key of the PostgreSQL advisory locks that keep two reconciles of one deployment apart.
@@ -81,17 +246,26 @@ def deployment_reconcile(*, deployment_id: int) -> ReconcileResult | None:
         return result
 
 
-def engines_sweep() -> list[str]:
-    """Stop every engine that belongs to no deployment any more (deleted, or moved to another orchestrator)."""
-    gone: list[str] = []
+@dataclass
+class Sweep:
+    gone: list[str]
+    draining: int  # engines left running until they are idle (drained), to be swept again soon
+
+
+def engines_sweep() -> Sweep:
+    """Stop every engine that belongs to no deployment any more (deleted, or moved to another orchestrator),
+    each once it is drained."""
+    result = Sweep([], 0)
     for kind, orchestrator_class in ORCHESTRATORS.items():
         ids = set(ModelDeployment.objects.filter(orchestrator=kind).values_list("pk", flat=True))
         try:
-            gone += orchestrator_class().sweep(ids)
+            orchestrator = orchestrator_class()
+            result.gone += orchestrator.sweep(ids)
+            result.draining += getattr(orchestrator, "orphans_draining", 0)
         except Exception:
             # One orchestrator's trouble (a cluster out of reach) must not keep the others from sweeping.
             log.exception("sweeping %s engines failed", kind)
-    return gone
+    return result
 
 
 def deployments_reconcile_all() -> dict[int, str]:
@@ -141,7 +315,7 @@ def engines_stop_all() -> list[str]:
 
     Local engines only: they live and die with this machine's platform, unlike a cluster's.
     """
-    gone = LocalOrchestrator().sweep(set())
+    gone = LocalOrchestrator().sweep(set(), drain_first=False)
     deployments = ModelDeployment.objects.filter(orchestrator=OrchestratorKind.LOCAL)
     deployments.update(
         observed_status=ObservedStatus.STOPPED,

@@ -29,5 +29,16 @@ def reconcile_all() -> dict[int, str]:
 
 
 @shared_task(autoretry_for=(Exception,), retry_backoff=True, retry_backoff_max=60, max_retries=5)
-def sweep_engines() -> list[str]:
-    return services.engines_sweep()
+def sweep_engines(follow_ups: int = FOLLOW_UPS) -> list[str]:
+    result = services.engines_sweep()
+    if result.draining and follow_ups > 0:
+        sweep_engines.apply_async((follow_ups - 1,), countdown=FOLLOW_UP_S)  # until they are drained
+    return result.gone
+
+
+@shared_task(acks_late=True)
+def autoscale() -> list[str]:
+    """One autoscaler pass (serving/autoscaling.py); returns the scaling events it made, as text."""
+    from .autoscaling import autoscale_all
+
+    return [str(event) for event in autoscale_all()]

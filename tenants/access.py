@@ -2,6 +2,10 @@
 
 Visibility decides existence: an object outside a user's scope is simply not found (404). Inside it,
 write rights decide between allowed and 403.
+
+A deactivated tenant's memberships grant nothing: its people cannot see or change its data anywhere (portal,
+API), and someone whose every membership is in deactivated tenants is locked out (`locked_out`), which the
+portal and the API refuse with a 403 that says so. Operators are never locked out.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from .models import (
     ApiKey,
     AuditLog,
     Membership,
+    ModelAlias,
     PriceSheet,
     Quota,
     Role,
@@ -21,6 +26,10 @@ from .models import (
     Tenant,
     UsageDaily,
     UsageRecord,
+)
+
+TENANT_DEACTIVATED = (
+    "Your organisation's account on this platform is deactivated; ask the platform operator to reactivate it."
 )
 
 
@@ -31,18 +40,27 @@ class Access:
     admin_teams: frozenset[int]  # team admin of these
     teams: frozenset[int]  # any role in these teams
     tenants: frozenset[int]  # any role in these tenants
+    # Every membership this person has is in a deactivated tenant: refused everywhere, not just shown nothing.
+    locked_out: bool = False
 
     @classmethod
     def for_user(cls, user) -> Access:
         if not user or not user.is_authenticated:
             return cls(False, frozenset(), frozenset(), frozenset(), frozenset())
-        rows = list(Membership.objects.filter(user=user).values_list("role", "tenant_id", "team_id"))
+        rows = list(
+            Membership.objects.filter(user=user).values_list(
+                "role", "tenant_id", "team_id", "tenant__is_active"
+            )
+        )
+        is_operator = user.is_superuser or any(role == Role.OPERATOR for role, *_ in rows)
+        live = [(role, tenant, team) for role, tenant, team, active in rows if tenant is None or active]
         return cls(
-            is_operator=user.is_superuser or any(role == Role.OPERATOR for role, _, _ in rows),
-            admin_tenants=frozenset(tenant for role, tenant, _ in rows if role == Role.TENANT_ADMIN),
-            admin_teams=frozenset(team for role, _, team in rows if role == Role.TEAM_ADMIN),
-            teams=frozenset(team for _, _, team in rows if team is not None),
-            tenants=frozenset(tenant for _, tenant, _ in rows if tenant is not None),
+            is_operator=is_operator,
+            admin_tenants=frozenset(tenant for role, tenant, _ in live if role == Role.TENANT_ADMIN),
+            admin_teams=frozenset(team for role, _, team in live if role == Role.TEAM_ADMIN),
+            teams=frozenset(team for _, _, team in live if team is not None),
+            tenants=frozenset(tenant for _, tenant, _ in live if tenant is not None),
+            locked_out=bool(rows) and not live and not is_operator,
         )
 
     # --- what a user can see -------------------------------------------------------------------
@@ -79,6 +97,11 @@ class Access:
     def price_sheets_qs(self) -> QuerySet[PriceSheet]:
         qs = PriceSheet.objects.select_related("tenant")
         return qs if self.is_operator else qs.filter(Q(tenant__isnull=True) | Q(tenant_id__in=self.tenants))
+
+    def model_aliases_qs(self) -> QuerySet[ModelAlias]:
+        """A tenant's aliases are read by everyone in the tenant: they are the names its agents call."""
+        qs = ModelAlias.objects.select_related("tenant", "deployment")
+        return qs if self.is_operator else qs.filter(tenant_id__in=self.tenants)
 
     def usage_qs(self) -> QuerySet[UsageRecord]:
         return self._team_scoped(UsageRecord.objects.all(), "team")

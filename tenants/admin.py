@@ -6,8 +6,25 @@ from django.template.response import TemplateResponse
 from django.utils.translation import ngettext
 
 from .admin_audit import AuditedAdmin
+from .entitlements import deployments_outside_team, entitlement_snapshot
 from .keys import api_key_create, api_key_revoke
-from .models import ApiKey, AuditLog, Membership, PriceSheet, Quota, Scope, Team, Tenant, UsageRecord
+from .models import (
+    ApiKey,
+    AuditLog,
+    Membership,
+    ModelAlias,
+    PriceSheet,
+    Quota,
+    Scope,
+    Team,
+    Tenant,
+    UsageRecord,
+)
+
+MODELS_HELP = (
+    "A team not restricted to the models listed may call every model served. Restricted, it may call only "
+    "the deployments listed (nothing, if none is), and its tenant's aliases of them."
+)
 
 
 class TeamInline(admin.TabularInline):
@@ -19,20 +36,57 @@ class TeamInline(admin.TabularInline):
 
 @admin.register(Tenant)
 class TenantAdmin(AuditedAdmin):
-    list_display = ["name", "slug", "is_active", "created_at"]
-    list_filter = ["is_active"]
+    list_display = ["name", "slug", "is_active", "fair_share_weight", "max_priority_class", "created_at"]
+    list_filter = ["is_active", "max_priority_class"]
     search_fields = ["name", "slug"]
     prepopulated_fields = {"slug": ["name"]}
     inlines = [TeamInline]
+    fieldsets = [
+        (None, {"fields": ["name", "slug", "is_active", "kv_cache_group"]}),
+        (
+            "Priority and fair share",
+            {
+                "fields": ["max_priority_class", "fair_share_weight"],
+                "description": "While a deployment is saturated, requests wait in the router and are served by "
+                "priority class first, then by fair share of work across tenants.",
+            },
+        ),
+    ]
 
 
 @admin.register(Team)
 class TeamAdmin(AuditedAdmin):
-    list_display = ["name", "slug", "tenant", "created_at"]
-    list_filter = ["tenant"]
+    list_display = [
+        "name",
+        "slug",
+        "tenant",
+        "priority_class",
+        "fair_share_weight",
+        "allowed_models",
+        "created_at",
+    ]
+    list_filter = ["tenant", "priority_class", "restrict_models"]
     search_fields = ["name", "slug", "tenant__name"]
     list_select_related = ["tenant"]
     prepopulated_fields = {"slug": ["name"]}
+    filter_horizontal = ["deployments"]
+    fieldsets = [
+        (None, {"fields": ["tenant", "name", "slug"]}),
+        ("Priority and fair share", {"fields": ["priority_class", "fair_share_weight"]}),
+        ("Models it may call", {"fields": ["restrict_models", "deployments"], "description": MODELS_HELP}),
+    ]
+
+    def get_queryset(self, request):
+        return super().get_queryset(request).prefetch_related("deployments")
+
+    @admin.display(description="Models")
+    def allowed_models(self, obj: Team) -> str:
+        if not obj.restrict_models:
+            return "every model served"
+        return ", ".join(d.served_model_name for d in obj.deployments.all()) or "none"
+
+    def audit_snapshot(self, obj):
+        return entitlement_snapshot(obj)
 
 
 @admin.register(Membership)
@@ -51,7 +105,22 @@ class ApiKeyForm(forms.ModelForm):
 
     class Meta:
         model = ApiKey
-        fields = ["team", "name", "scopes", "expires_at"]
+        fields = ["team", "name", "scopes", "expires_at", "priority_class", "deployments"]
+        help_texts = {
+            "deployments": "Narrows what the key may call to these deployments, among its team's. Empty: all "
+            "its team's. " + MODELS_HELP
+        }
+
+    def clean(self):
+        cleaned = super().clean()
+        team = cleaned.get("team") or (self.instance.team if self.instance.team_id else None)
+        outside = deployments_outside_team(team, cleaned.get("deployments") or ()) if team else []
+        if outside:
+            names = ", ".join(sorted(d.served_model_name for d in outside))
+            self.add_error(
+                "deployments", f"Team {team} may not call {names}: a key can only narrow its team's."
+            )
+        return cleaned
 
 
 @admin.register(ApiKey)
@@ -65,7 +134,11 @@ class ApiKeyAdmin(AuditedAdmin):
     search_fields = ["name", "public_id", "team__name", "team__tenant__name"]
     list_select_related = ["team__tenant"]
     readonly_fields = ["prefix", "revoked_at", "last_used_at", "created_by", "created_at"]
+    filter_horizontal = ["deployments"]
     actions = ["revoke_keys"]
+
+    def audit_snapshot(self, obj):
+        return entitlement_snapshot(obj)
 
     def get_readonly_fields(self, request, obj=None):
         return [*self.readonly_fields, "team"] if obj else self.readonly_fields
@@ -84,6 +157,8 @@ class ApiKeyAdmin(AuditedAdmin):
             name=form.cleaned_data["name"],
             scopes=form.cleaned_data["scopes"],
             expires_at=form.cleaned_data.get("expires_at"),
+            priority_class=form.cleaned_data.get("priority_class", ""),
+            deployments=form.cleaned_data.get("deployments") or (),
             actor=request.user,
             source="admin",
         )
@@ -137,6 +212,18 @@ class QuotaAdmin(AuditedAdmin):
     autocomplete_fields = ["team", "api_key"]
 
 
+@admin.register(ModelAlias)
+class ModelAliasAdmin(AuditedAdmin):
+    """A tenant's name for a deployment: changing the deployment moves every agent that calls the name."""
+
+    audit_name = "model_alias"
+    list_display = ["name", "tenant", "deployment", "updated_at"]
+    list_filter = ["tenant"]
+    search_fields = ["name", "tenant__name", "deployment__served_model_name"]
+    list_select_related = ["tenant", "deployment"]
+    autocomplete_fields = ["tenant", "deployment"]
+
+
 @admin.register(PriceSheet)
 class PriceSheetAdmin(AuditedAdmin):
     audit_name = "price_sheet"
@@ -182,8 +269,10 @@ class UsageRecordAdmin(ReadOnlyAdmin):
         "cost",
         "currency",
         "status",
+        "priority_class",
+        "queued_ms",
     ]
-    list_filter = ["status", "model", "tenant"]
+    list_filter = ["status", "priority_class", "model", "tenant"]
     search_fields = ["request_id", "api_key__public_id", "team__name"]
     list_select_related = ["tenant", "team", "api_key"]
     date_hierarchy = "created_at"

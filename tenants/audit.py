@@ -64,10 +64,14 @@ def audit_record(
     details: dict[str, Any] | None = None,
     tenant_id: int | None = None,
 ) -> AuditLog:
-    """Write one audit row. Must run inside the transaction that made the change."""
+    """Write one audit row. Must run inside the transaction that made the change. `actor`: a user, None (the
+    system), or the name of a process acting on its own (e.g. "autoscaler")."""
     if not transaction.get_connection().in_atomic_block:
         raise RuntimeError("audit_record must be called inside the transaction that changes the data")
-    actor_label = getattr(actor, "get_username", lambda: "system")() if actor is not None else "system"
+    if isinstance(actor, str):
+        actor_label, actor = actor, None
+    else:
+        actor_label = getattr(actor, "get_username", lambda: "system")() if actor is not None else "system"
     return AuditLog.objects.create(
         actor=actor if getattr(actor, "pk", None) else None,
         actor_label=actor_label,

@@ -5,8 +5,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
+from typing import TYPE_CHECKING
 
 from django.conf import settings
 from django.db import transaction
@@ -16,6 +18,9 @@ from inference_platform.config_version import bump_config_version_on_commit
 
 from .audit import audit_record, snapshot
 from .models import ApiKey, Team
+
+if TYPE_CHECKING:
+    from serving.models import ModelDeployment
 
 _PUBLIC_ID_ALPHABET = "abcdefghijkmnpqrstuvwxyz23456789"
 PUBLIC_ID_LENGTH = 12
@@ -50,9 +55,12 @@ def api_key_create(
     name: str,
     scopes: list[str],
     expires_at: datetime | None = None,
+    priority_class: str = "",
+    deployments: Iterable[ModelDeployment] = (),
     actor=None,
     source: str = "api",
 ) -> IssuedKey:
+    """Issue a key. `priority_class` blank: the team's; `deployments` empty: all its team may call."""
     public_id = "".join(secrets.choice(_PUBLIC_ID_ALPHABET) for _ in range(PUBLIC_ID_LENGTH))
     raw_key = f"{settings.API_KEY_PREFIX}_{public_id}_{secrets.token_urlsafe(32)}"
     with transaction.atomic():
@@ -63,14 +71,19 @@ def api_key_create(
             secret_hmac=key_hmac(raw_key),
             scopes=sorted(set(scopes)),
             expires_at=expires_at,
+            priority_class=priority_class,
             created_by=actor if getattr(actor, "pk", None) else None,
         )
+        after = snapshot(api_key)
+        if deployments:
+            api_key.deployments.set(deployments)
+            after["deployments"] = sorted(api_key.deployments.values_list("pk", flat=True))
         audit_record(
             actor=actor,
             action="api_key.create",
             instance=api_key,
             source=source,
-            details={"after": snapshot(api_key)},
+            details={"after": after},
         )
     return IssuedKey(api_key=api_key, secret=raw_key)
 

@@ -6,7 +6,8 @@ from decimal import Decimal
 
 from django.conf import settings
 from django.contrib.postgres.fields import ArrayField
-from django.core.validators import MinValueValidator, RegexValidator
+from django.core.exceptions import ValidationError
+from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import models
 from django.db.models import F, Q
 from django.utils import timezone
@@ -17,12 +18,66 @@ slug_validator = RegexValidator(
 currency_validator = RegexValidator(r"^[A-Z]{3}$", "Use a three-letter ISO 4217 currency code, such as USD.")
 
 
+class PriorityClass(models.TextChoices):
+    """How urgently a request is served when a deployment is saturated and requests wait in the router: a
+    higher class is always dispatched first (docs/flow-control.md)."""
+
+    INTERACTIVE = "interactive", "Interactive"
+    STANDARD = "standard", "Standard"
+    BATCH = "batch", "Batch"
+
+
+# Dispatch order under overload: lower first.
+PRIORITY_RANK = {PriorityClass.INTERACTIVE: 0, PriorityClass.STANDARD: 1, PriorityClass.BATCH: 2}
+
+
+def priority_within(value: str, ceiling: str) -> str:
+    """`value`, lowered to `ceiling` when it ranks above it."""
+    return value if PRIORITY_RANK[value] >= PRIORITY_RANK[ceiling] else ceiling
+
+
+def weight_field(help_text: str) -> models.PositiveIntegerField:
+    return models.PositiveIntegerField(
+        default=1,
+        db_default=1,
+        validators=[MinValueValidator(1), MaxValueValidator(1000)],
+        help_text=help_text,
+    )
+
+
 class Tenant(models.Model):
     """A customer organisation. Everything a tenant owns is reached through it."""
 
     name = models.CharField(max_length=200)
     slug = models.SlugField(max_length=63, unique=True, validators=[slug_validator])
     is_active = models.BooleanField(default=True)
+    kv_cache_group = models.CharField(
+        "shared KV-cache group",
+        max_length=63,
+        blank=True,
+        default="",
+        db_default="",
+        validators=[slug_validator],
+        help_text=(
+            "Blank (the default): the engines' prefix cache is this tenant's own; no other tenant can hit it or "
+            "learn from cached-token counts what this tenant sent. Tenants given the same group share one cache "
+            "on purpose (one organisation split into several tenants)."
+        ),
+    )
+    # Set by operators only.
+    fair_share_weight = weight_field(
+        "This tenant's share of a saturated deployment against other tenants waiting for it, in tokens of work: "
+        "a tenant of weight 3 gets three times the work of a tenant of weight 1 while both wait."
+    )
+    max_priority_class = models.CharField(
+        "highest priority class",
+        max_length=12,
+        choices=PriorityClass.choices,
+        default=PriorityClass.STANDARD,
+        db_default=PriorityClass.STANDARD,
+        help_text="The highest class this tenant's admins may give a team or a key. Lowering it lowers the teams "
+        "and keys above it.",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -31,11 +86,47 @@ class Tenant(models.Model):
     def __str__(self) -> str:
         return self.name
 
+    def save(self, *args, **kwargs) -> None:
+        super().save(*args, **kwargs)
+        if self.pk is not None:
+            # A lowered ceiling lowers the teams and keys above it with it, so none is left with a class it may
+            # no longer have (and every later edit of one would be refused for it).
+            above = [c for c, rank in PRIORITY_RANK.items() if rank < PRIORITY_RANK[self.max_priority_class]]
+            if above:
+                Team.objects.filter(tenant=self, priority_class__in=above).update(
+                    priority_class=self.max_priority_class
+                )
+                ApiKey.objects.filter(team__tenant=self, priority_class__in=above).update(
+                    priority_class=self.max_priority_class
+                )
+
 
 class Team(models.Model):
     tenant = models.ForeignKey(Tenant, on_delete=models.PROTECT, related_name="teams")
     name = models.CharField(max_length=200)
     slug = models.SlugField(max_length=63, validators=[slug_validator])
+    fair_share_weight = weight_field(
+        "This team's share of its tenant's work on a saturated deployment, against the tenant's other teams."
+    )
+    priority_class = models.CharField(
+        max_length=12,
+        choices=PriorityClass.choices,
+        default=PriorityClass.STANDARD,
+        db_default=PriorityClass.STANDARD,
+        help_text="Its keys' class, unless a key has its own. At most the tenant's highest class.",
+    )
+    restrict_models = models.BooleanField(
+        "only the models listed",
+        default=False,
+        db_default=False,
+        help_text="Off: the team may call every model served. On: only the deployments listed (none if empty).",
+    )
+    deployments = models.ManyToManyField(
+        "serving.ModelDeployment",
+        blank=True,
+        related_name="entitled_teams",
+        help_text="The deployments the team may call, when restricted to the models listed.",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -48,6 +139,18 @@ class Team(models.Model):
 
     def __str__(self) -> str:
         return f"{self.tenant.slug}/{self.slug}"
+
+    def clean(self) -> None:
+        super().clean()
+        if self.tenant_id and self.priority_class:
+            ceiling = self.tenant.max_priority_class
+            if priority_within(self.priority_class, ceiling) != self.priority_class:
+                raise ValidationError(
+                    {
+                        "priority_class": f"The tenant allows at most `{ceiling}`: choose `{ceiling}` or a "
+                        "lower class."
+                    }
+                )
 
 
 class Role(models.TextChoices):
@@ -137,6 +240,20 @@ class ApiKey(models.Model):
         settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True, related_name="+"
     )
     created_at = models.DateTimeField(default=timezone.now, editable=False)
+    priority_class = models.CharField(
+        max_length=12,
+        choices=PriorityClass.choices,
+        blank=True,
+        default="",
+        db_default="",
+        help_text="Blank: the team's class. At most the tenant's highest class.",
+    )
+    deployments = models.ManyToManyField(
+        "serving.ModelDeployment",
+        blank=True,
+        related_name="entitled_keys",
+        help_text="Narrows what the key may call to these deployments (among its team's). Empty: all its team's.",
+    )
 
     class Meta:
         ordering = ["-created_at"]
@@ -163,6 +280,24 @@ class ApiKey(models.Model):
     @property
     def prefix(self) -> str:
         return f"{settings.API_KEY_PREFIX}_{self.public_id}"
+
+    def clean(self) -> None:
+        super().clean()
+        if self.team_id and self.priority_class:
+            ceiling = self.team.tenant.max_priority_class
+            if priority_within(self.priority_class, ceiling) != self.priority_class:
+                raise ValidationError(
+                    {
+                        "priority_class": f"The tenant allows at most `{ceiling}`: choose `{ceiling}` or a "
+                        "lower class, or leave it blank for the team's."
+                    }
+                )
+
+    @property
+    def effective_priority_class(self) -> str:
+        """The class its requests get: its own, else its team's, never above the tenant's highest."""
+        own = self.priority_class or self.team.priority_class
+        return priority_within(own, self.team.tenant.max_priority_class)
 
     @property
     def is_active(self) -> bool:
@@ -314,10 +449,55 @@ class PriceSheet(models.Model):
         return f"{self.served_model_name} ({who}) from {self.effective_from:%Y-%m-%d}"
 
 
+class ModelAlias(models.Model):
+    """A name a tenant's agents call (`coder`) for a deployment: moving the alias moves every agent that calls
+    it to another model or revision, without touching the agents. An alias may not be a served model's name."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="model_aliases")
+    name = models.CharField(
+        max_length=200,
+        validators=[
+            RegexValidator(
+                r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$",
+                "Use letters, digits and . _ : / - (starting with a letter or digit).",
+            )
+        ],
+    )
+    deployment = models.ForeignKey(
+        "serving.ModelDeployment", on_delete=models.CASCADE, related_name="aliases"
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["tenant__slug", "name"]
+        verbose_name_plural = "model aliases"
+        constraints = [
+            models.UniqueConstraint(
+                fields=["tenant", "name"],
+                name="model_alias_unique_in_tenant",
+                violation_error_message="This tenant already has an alias of that name; change that one.",
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.name} -> {self.deployment}"
+
+    def clean(self) -> None:
+        super().clean()
+        from serving.models import ModelDeployment
+
+        if self.name and ModelDeployment.objects.filter(served_model_name=self.name).exists():
+            raise ValidationError(
+                {"name": f"`{self.name}` is a served model's name: an alias must be a name of its own."}
+            )
+
+
 class UsageStatus(models.TextChoices):
     COMPLETED = "completed", "Completed"
     FAILED = "failed", "Failed"
     CANCELLED = "cancelled", "Cancelled"
+    REJECTED = "rejected", "Rejected"
 
 
 class UsageRecord(models.Model):
@@ -344,6 +524,12 @@ class UsageRecord(models.Model):
     ttft_ms = models.PositiveIntegerField(null=True, blank=True)
     latency_ms = models.PositiveIntegerField(null=True, blank=True)
     status = models.CharField(max_length=10, choices=UsageStatus.choices)
+    priority_class = models.CharField(
+        max_length=12, choices=PriorityClass.choices, blank=True, default="", db_default=""
+    )
+    queued_ms = models.PositiveIntegerField(
+        null=True, blank=True, help_text="Time it waited in the router for a saturated deployment."
+    )
     created_at = models.DateTimeField(default=timezone.now, db_index=True)
 
     class Meta:

@@ -7,19 +7,20 @@ from django.conf import settings
 
 from inference_platform.celery import app
 
-from .usage_stream import consumer_name, usage_ingest_until_empty
+from .usage_stream import consumer_name, usage_ingest_until_empty, usage_stream_trim
 
 INGEST_EVERY_S = 2.0
 
 
-def _max_seconds() -> float:
-    return getattr(settings, "USAGE_INGEST_MAX_SECONDS", 10.0)
-
-
 @shared_task(acks_late=True, ignore_result=True)
 def ingest_usage() -> int:
-    """Drain the usage stream for at most a few seconds; beat starts another run every two seconds."""
-    return usage_ingest_until_empty(consumer=consumer_name(), max_seconds=_max_seconds())
+    """Drain the usage stream for at most a few seconds, then trim what the group has acknowledged (never an
+    entry not yet written); beat starts another run every two seconds."""
+    written = usage_ingest_until_empty(
+        consumer=consumer_name(), max_seconds=settings.USAGE_INGEST_MAX_SECONDS
+    )
+    usage_stream_trim()
+    return written
 
 
 def _schedule_ingest(sender, **kwargs) -> None:

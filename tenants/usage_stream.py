@@ -9,17 +9,26 @@ The contract
        "endpoint":"10.0.0.7:8000","prompt_tokens":1000,"cached_prompt_tokens":600,"output_tokens":50,
        "ttft_ms":120,"latency_ms":900,"status":"completed","created_at":"2025-01-01T12:00:00.123456+00:00"}
 
-  `deployment_id`, `ttft_ms` and `latency_ms` may be null; `status` is completed, failed or cancelled;
-  `created_at` is ISO 8601 in UTC. Unknown keys are ignored, so fields can be added without breaking readers.
-- Emission trims the stream approximately at `USAGE_STREAM_MAXLEN` (default one million entries). Ingested
-  entries are deleted as they are acknowledged, so the bound is only reached if ingestion stops for a long
-  time; it protects Redis's memory, and is sized so that it never drops unacknowledged entries in practice.
+  `deployment_id`, `ttft_ms` and `latency_ms` may be null; `status` is completed, failed, cancelled or
+  rejected (it waited in the router's queue past its class's limit); `created_at` is ISO 8601 in UTC. Optional:
+  `priority_class` (interactive, standard or batch) and `queued_ms` (its wait in the router's queue). Unknown keys are ignored, so fields can be added without breaking readers.
+- Emission never trims: an entry leaves the stream only once the consumer group has acknowledged it (its row
+  is committed). Ingestion deletes entries as it acknowledges them, and the ingestion task also trims whatever
+  lies before the group's oldest unacknowledged entry (`usage_stream_trim`), so the stream holds exactly the
+  entries no worker has written yet. If ingestion stalls the stream grows; its length and the age of its oldest
+  entry are the ingestion lag, on the router's /metrics (`usage_stream_lag_entries`,
+  `usage_stream_oldest_age_seconds`). When Redis refuses to grow it further (maxmemory), the routers journal
+  usage locally (routing/journal.py) rather than lose it.
 
 Ingestion is at-least-once from Redis and exactly-once in Postgres: rows are inserted with ON CONFLICT
 (request_id) DO NOTHING in one transaction, and entries are acknowledged only after that commits. Entries a
 consumer read but never acknowledged (it died) are claimed by another after `USAGE_VISIBILITY_TIMEOUT_MS`.
 An entry that can never be written goes to the dead-letter stream (`USAGE_DEAD_LETTER_STREAM`, default
-`usage:dead`) with its reason, and is acknowledged, so it cannot block the stream.
+`usage:dead`, trimmed at `USAGE_STREAM_MAXLEN`) with its reason, and is acknowledged, so it cannot block the
+stream.
+
+Each batch also moves its keys' `ApiKey.last_used_at` forward to the newest `created_at` among their events, so
+the request path never writes to the database for it.
 """
 
 from __future__ import annotations
@@ -38,11 +47,11 @@ from typing import Any
 import redis
 import redis.asyncio
 from django.conf import settings
-from django.db import DataError, IntegrityError, connection, transaction
+from django.db import DatabaseError, DataError, IntegrityError, connection, transaction
 
 from serving.models import ModelDeployment
 
-from .models import ApiKey, PriceSheet, UsageRecord, UsageStatus
+from .models import ApiKey, PriceSheet, PriorityClass, UsageRecord, UsageStatus
 from .pricing import cost_of, price_sheets_for, sheet_in_force
 
 logger = logging.getLogger(__name__)
@@ -52,28 +61,17 @@ FIELD = "e"
 MAX_INT = 2_147_483_647  # PositiveIntegerField's upper bound in PostgreSQL
 
 
+# The USAGE_* settings and their defaults: inference_platform/settings.py.
 def stream_key() -> str:
-    return getattr(settings, "USAGE_STREAM", "usage:events")
+    return settings.USAGE_STREAM
 
 
 def dead_letter_key() -> str:
-    return getattr(settings, "USAGE_DEAD_LETTER_STREAM", "usage:dead")
+    return settings.USAGE_DEAD_LETTER_STREAM
 
 
 def stream_maxlen() -> int:
-    return getattr(settings, "USAGE_STREAM_MAXLEN", 1_000_000)
-
-
-def _visibility_timeout_ms() -> int:
-    return getattr(settings, "USAGE_VISIBILITY_TIMEOUT_MS", 60_000)
-
-
-def _batch_size() -> int:
-    return getattr(settings, "USAGE_INGEST_BATCH_SIZE", 500)
-
-
-def _default_currency() -> str:
-    return getattr(settings, "USAGE_DEFAULT_CURRENCY", "USD")
+    return settings.USAGE_STREAM_MAXLEN
 
 
 def consumer_name() -> str:
@@ -101,6 +99,8 @@ class UsageEvent:
     latency_ms: int | None
     status: str
     created_at: datetime
+    priority_class: str = ""  # the class it was served in (tenants.models.PriorityClass)
+    queued_ms: int | None = None  # how long it waited in the router for a saturated deployment
 
     def encode(self) -> str:
         if self.created_at.tzinfo is None:
@@ -148,6 +148,10 @@ def _status(value: Any) -> str:
     return value
 
 
+def _bad_class():
+    raise ValueError(f"expected one of {', '.join(PriorityClass.values)}, or empty")
+
+
 def _optional(check):
     return lambda value: None if value is None else check(value)
 
@@ -167,11 +171,17 @@ _FIELD_RULES = {
     "latency_ms": _optional(functools.partial(_int, minimum=0)),
     "status": _status,
     "created_at": _timestamp,
+    "priority_class": lambda value: value if value in ("", *PriorityClass.values) else _bad_class(),
+    "queued_ms": _optional(functools.partial(_int, minimum=0)),
 }
+# Fields added after the first events were written: an event without them (in a router's journal) takes these.
+_OPTIONAL_DEFAULTS = {"priority_class": "", "queued_ms": None}
 
 
 def _checked(name: str, data: dict[str, Any]) -> Any:
     if name not in data:
+        if name in _OPTIONAL_DEFAULTS:
+            return _OPTIONAL_DEFAULTS[name]
         raise MalformedEvent(f"{name} is missing")
     try:
         return _FIELD_RULES[name](data[name])
@@ -184,11 +194,26 @@ def _checked(name: str, data: dict[str, Any]) -> Any:
 
 async def usage_event_emit(redis_client: redis.asyncio.Redis, event: UsageEvent) -> None:
     """Append one event to the usage stream (the router's side)."""
-    await redis_client.xadd(stream_key(), {FIELD: event.encode()}, maxlen=stream_maxlen(), approximate=True)
+    await redis_client.xadd(stream_key(), {FIELD: event.encode()})
 
 
 def usage_event_emit_sync(redis_client: redis.Redis, event: UsageEvent) -> None:
-    redis_client.xadd(stream_key(), {FIELD: event.encode()}, maxlen=stream_maxlen(), approximate=True)
+    redis_client.xadd(stream_key(), {FIELD: event.encode()})
+
+
+async def usage_stream_lag(redis_client: redis.asyncio.Redis) -> tuple[int, float]:
+    """The ingestion lag: entries no worker has acknowledged yet, and the age in seconds of the oldest of them.
+    The stream holds exactly those (acknowledged entries are deleted), and an entry's id starts with the
+    millisecond it was added."""
+    async with redis_client.pipeline(transaction=False) as pipe:
+        pipe.xlen(stream_key())
+        pipe.xrange(stream_key(), count=1)
+        length, first = await pipe.execute()
+    if not length or not first:
+        return 0, 0.0
+    entry_id = first[0][0]
+    added_ms = int((entry_id.decode() if isinstance(entry_id, bytes) else entry_id).split("-")[0])
+    return int(length), max(0.0, time.time() - added_ms / 1000)
 
 
 # Consumption ------------------------------------------------------------------------------------------
@@ -233,7 +258,7 @@ def usage_ingest_until_empty(
 ) -> int:
     """Ingest batches until the stream has nothing new (or `max_seconds` passed); return records written."""
     consumer = consumer or consumer_name()
-    count = count or _batch_size()
+    count = count or settings.USAGE_INGEST_BATCH_SIZE
     deadline = None if max_seconds is None else time.monotonic() + max_seconds
     written = 0
     while True:
@@ -241,6 +266,28 @@ def usage_ingest_until_empty(
         written += result.written
         if result.seen < count or (deadline is not None and time.monotonic() >= deadline):
             return written
+
+
+def usage_stream_trim() -> int:
+    """Delete the entries every consumer group has acknowledged: those before the oldest entry a group still
+    has pending or has not delivered yet. Returns how many were deleted; without a group, none."""
+    client, stream = usage_redis(), stream_key()
+    try:
+        groups = client.xinfo_groups(stream)
+    except redis.ResponseError:  # no stream yet
+        return 0
+    floors = []
+    for group in groups:
+        ms, seq = (int(part) for part in group["last-delivered-id"].split("-"))
+        floor = (ms, seq + 1)  # the first id the group has not been delivered
+        if group["pending"]:
+            oldest = client.xpending(stream, group["name"])["min"]
+            floor = min(floor, tuple(int(part) for part in oldest.split("-")))
+        floors.append(floor)
+    if not floors:
+        return 0
+    ms, seq = min(floors)
+    return client.xtrim(stream, minid=f"{ms}-{seq}", approximate=False)
 
 
 def ingest_once(*, consumer: str, count: int, block_ms: int = 0) -> BatchResult:
@@ -256,7 +303,9 @@ def ingest_once(*, consumer: str, count: int, block_ms: int = 0) -> BatchResult:
     written, failed = _write(good)
     _dead_letter(client, stream, consumer, failed)
     failed_ids = {entry.id for entry, _ in failed}
-    _ack(client, stream, [entry.id for entry in good if entry.id not in failed_ids])
+    recorded = [entry for entry in good if entry.id not in failed_ids]
+    _touch_keys(recorded)
+    _ack(client, stream, [entry.id for entry in recorded])
     result = BatchResult(seen=len(entries), written=written, dead=len(bad) + len(failed))
     logger.info(
         "usage ingest %s: %d entries, %d written, %d already recorded, %d dead-lettered",
@@ -281,7 +330,12 @@ def _ensure_group(client: redis.Redis, stream: str) -> None:
 def _reclaim(client: redis.Redis, stream: str, consumer: str, count: int) -> list[_Entry]:
     """Entries another consumer read but did not acknowledge within the visibility timeout."""
     reply = client.xautoclaim(
-        stream, GROUP, consumer, min_idle_time=_visibility_timeout_ms(), start_id="0-0", count=count
+        stream,
+        GROUP,
+        consumer,
+        min_idle_time=settings.USAGE_VISIBILITY_TIMEOUT_MS,
+        start_id="0-0",
+        count=count,
     )
     entries = _entries(client, stream, reply[1])
     if entries:
@@ -377,11 +431,13 @@ def _record(event: UsageEvent, sheets: list[PriceSheet], deployments: set[int]) 
         model=event.model,
         endpoint=event.endpoint,
         cost=cost_of(sheet=sheet, **tokens) if sheet else Decimal("0"),
-        currency=sheet.currency if sheet else _default_currency(),
+        currency=sheet.currency if sheet else settings.USAGE_DEFAULT_CURRENCY,
         ttft_ms=event.ttft_ms,
         latency_ms=event.latency_ms,
         status=event.status,
         created_at=event.created_at,
+        priority_class=event.priority_class,
+        queued_ms=event.queued_ms,
         **tokens,
     )
 
@@ -421,6 +477,30 @@ def _insert(records: list[UsageRecord]) -> int:
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
         return len(cursor.fetchall())
+
+
+def _touch_keys(entries: list[_Entry]) -> None:
+    """Move each key's last_used_at forward to its newest event of the batch (never back: batches and
+    redeliveries come in any order). Best effort: a failure is logged, and the key's next batch sets it."""
+    latest: dict[int, datetime] = {}
+    for entry in entries:
+        event = entry.event
+        if event.api_key_id not in latest or event.created_at > latest[event.api_key_id]:
+            latest[event.api_key_id] = event.created_at
+    if not latest:
+        return
+    table = connection.ops.quote_name(ApiKey._meta.db_table)
+    rows = sorted(latest.items())
+    values = ", ".join(["(%s::bigint, %s::timestamptz)"] * len(rows))
+    sql = (
+        f"UPDATE {table} AS k SET last_used_at = v.at FROM (VALUES {values}) AS v(id, at) "
+        "WHERE k.id = v.id AND (k.last_used_at IS NULL OR k.last_used_at < v.at)"
+    )
+    try:
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute(sql, [value for row in rows for value in row])
+    except DatabaseError as exc:
+        logger.warning("usage ingest: could not update last_used_at of %d keys: %s", len(rows), exc)
 
 
 def _ack(client: redis.Redis, stream: str, entry_ids: list[str]) -> None:

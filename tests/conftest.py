@@ -1,7 +1,15 @@
-"""Shared fixtures. Tests run against the real PostgreSQL and Redis that `make test` provides."""
+"""Shared fixtures. Tests run against the real PostgreSQL and Redis that `make test` provides.
+
+Tests that need more than that are marked here, from what they use, so that `make test-fast` can leave them out:
+`vllm` (a real vLLM engine), `browser` (headless Chromium) and `kubectl` (marked by its modules).
+"""
 
 from __future__ import annotations
 
+import functools
+import inspect
+import re
+import shutil
 from dataclasses import dataclass
 from datetime import timedelta
 from decimal import Decimal
@@ -74,6 +82,58 @@ def make_usage(key: IssuedKey, request_id: str, **fields) -> UsageRecord:
         api_key=key.api_key,
         **{**defaults, **fields},
     )
+
+
+# --- markers: what a test needs beyond PostgreSQL, Redis and the simulator ------------------------------------
+
+# Source that starts a real vLLM engine: `start_engine("vllm")`, `start_engines("vllm", ...)`, or the engine
+# environment's interpreter itself (not `settings.ENGINE_PYTHON`, which only names it in a command line).
+STARTS_VLLM = re.compile(r'start_engines?\(\s*"vllm"|(?<![.\w])ENGINE_PYTHON\b')
+STARTS_BROWSER = re.compile(r"\bplaywright\b")
+ENGINE_KINDS = {"sim": "sim", "sim_engine": "sim", "vllm": "vllm", "vllm_engine": "vllm"}
+
+
+@functools.cache
+def _source(function) -> str:
+    try:
+        return inspect.getsource(function)
+    except (OSError, TypeError):
+        return ""
+
+
+def _uses(item, pattern: re.Pattern, *, body: bool = True) -> bool:
+    """Whether the test (with `body`), or any fixture it depends on (directly or not), has source matching
+    `pattern`."""
+    functions = [item.function] if body else []
+    for name in item.fixturenames:
+        functions += [definition.func for definition in item._fixtureinfo.name2fixturedefs.get(name, ())]
+    return any(pattern.search(_source(function)) for function in functions)
+
+
+def _engine_kind(item) -> str | None:
+    """The engine a test pair's half runs on, for tests parametrized over the simulator and vLLM."""
+    params = getattr(item, "callspec", None)
+    kinds = {
+        ENGINE_KINDS.get(value)
+        for value in (params.params.values() if params else ())
+        if isinstance(value, str)
+    }
+    return "vllm" if "vllm" in kinds else "sim" if "sim" in kinds else None
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        kind = _engine_kind(item)
+        # A sim/vLLM pair's simulator half needs no vLLM, though the body it shares with the other half names it.
+        if kind == "vllm" or _uses(item, STARTS_VLLM, body=kind is None):
+            item.add_marker(pytest.mark.vllm)
+        if _uses(item, STARTS_BROWSER):
+            item.add_marker(pytest.mark.browser)
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("kubectl") and not shutil.which("kubectl"):
+        pytest.fail("kubectl (with kustomize) is not on PATH: `make kubectl` installs it (`make test` does)")
 
 
 @pytest.fixture(autouse=True)

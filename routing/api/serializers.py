@@ -2,27 +2,14 @@ from rest_framework import serializers
 
 from inference_platform.model_validation import ModelCleanMixin
 
-from ..models import RoutingPolicy
+from ..models import RoutingPolicy, policy_fields
 
 
 class RoutingPolicySerializer(ModelCleanMixin, serializers.ModelSerializer):
     class Meta:
         model = RoutingPolicy
-        fields = [
-            "id",
-            "deployment",
-            "mode",
-            "prefix_weight",
-            "queue_weight",
-            "prefill_backlog_weight",
-            "kv_utilization_weight",
-            "session_affinity_weight",
-            "gpu_tier_weight",
-            "cpu_tier_weight",
-            "load_guard_ratio",
-            "pd_split_threshold_tokens",
-            "updated_at",
-        ]
+        # Every field the router reads (policy_fields), between the deployment and the bookkeeping.
+        fields = ["id", "deployment", *(f.name for f in policy_fields()), "updated_at"]
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

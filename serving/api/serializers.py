@@ -1,12 +1,12 @@
 from __future__ import annotations
 
-from django.db import transaction
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from inference_platform.model_validation import ModelCleanMixin
 
-from ..models import Endpoint, ModelDeployment, Pool, PoolRole
+from .. import services
+from ..models import AutoscalingPolicy, Endpoint, ModelDeployment, Pool, ScalingEvent
 
 
 class PoolSerializer(ModelCleanMixin, serializers.ModelSerializer):
@@ -125,14 +125,7 @@ class ModelDeploymentSerializer(ModelCleanMixin, serializers.ModelSerializer):
         return obj.tool_calling().as_dict()
 
     def validate_pools(self, pools):
-        names = [pool["name"] for pool in pools]
-        if len(names) != len(set(names)):
-            raise serializers.ValidationError("Pool names must be unique within a deployment.")
-        roles = {pool.get("role", PoolRole.BOTH) for pool in pools}
-        if (PoolRole.PREFILL in roles) != (PoolRole.DECODE in roles):
-            raise serializers.ValidationError(
-                "A disaggregated deployment needs both a prefill and a decode pool."
-            )
+        services.pools_check(pools)
         return pools
 
     def validate(self, attrs):
@@ -142,21 +135,47 @@ class ModelDeploymentSerializer(ModelCleanMixin, serializers.ModelSerializer):
             attrs["pools"] = pools
         return attrs
 
-    @transaction.atomic
+    # Writes go through serving.services (the view calls them): this serializer validates and renders only.
     def create(self, validated_data):
-        pools = validated_data.pop("pools", [])
-        deployment = ModelDeployment.objects.create(**validated_data)
-        for pool in pools:
-            Pool.objects.create(deployment=deployment, **pool)
-        return deployment
+        raise NotImplementedError("deployments are created by serving.services.deployment_create")
 
-    @transaction.atomic
     def update(self, instance, validated_data):
-        pools = validated_data.pop("pools", None)
-        instance = super().update(instance, validated_data)
-        if pools is not None:
-            # The given list is the whole desired set of pools, matched by name.
-            instance.pools.exclude(name__in=[pool["name"] for pool in pools]).delete()
-            for pool in pools:
-                Pool.objects.update_or_create(deployment=instance, name=pool["name"], defaults=pool)
-        return instance
+        raise NotImplementedError("deployments are changed by serving.services.deployment_update")
+
+
+class AutoscalingPolicySerializer(ModelCleanMixin, serializers.ModelSerializer):
+    """A pool's autoscaling policy. Turning it on again after a manual edit paused it clears the pause."""
+
+    class Meta:
+        model = AutoscalingPolicy
+        fields = [
+            "id",
+            "pool",
+            "enabled",
+            "min_replicas",
+            "max_replicas",
+            "ttft_p90_s",
+            "queued_prompt_tokens_per_replica",
+            "itl_p90_s",
+            "kv_cache_utilization",
+            "running_requests_per_replica",
+            "scale_up_window_s",
+            "scale_down_window_s",
+            "max_scale_up_step",
+            "max_scale_down_step",
+            "paused_reason",
+            "updated_at",
+        ]
+        read_only_fields = ["paused_reason", "updated_at"]
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if isinstance(self.instance, AutoscalingPolicy):
+            self.fields["pool"].read_only = True
+
+
+class ScalingEventSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = ScalingEvent
+        fields = ["id", "pool", "at", "from_replicas", "to_replicas", "actor", "signals", "reason"]
+        read_only_fields = fields

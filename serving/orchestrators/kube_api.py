@@ -22,6 +22,8 @@ log = logging.getLogger(__name__)
 
 PLURALS = {
     "ConfigMap": "configmaps",
+    "Secret": "secrets",
+    "NetworkPolicy": "networkpolicies",
     "Service": "services",
     "Pod": "pods",
     "Deployment": "deployments",

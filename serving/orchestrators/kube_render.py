@@ -1,17 +1,21 @@
 """The Kubernetes objects of one model deployment, as plain dicts ready for server-side apply.
 
 Per deployment: a root ConfigMap that owns everything else (delete it and the cluster's garbage collector
-removes the rest), and optionally one InferencePool for a Gateway API inference gateway. Per pool: a Deployment
-(one node per replica) or a LeaderWorkerSet (several nodes per replica: wide expert parallelism with
-data-parallel attention), and a headless Service for discovery.
+removes the rest), a Secret with the engines' API key, a NetworkPolicy that lets only the platform's own pods
+in, and optionally one InferencePool for a Gateway API inference gateway. Per pool: a Deployment (one node per
+replica) or a LeaderWorkerSet (several nodes per replica: wide expert parallelism with data-parallel attention),
+and a headless Service for discovery.
 
 The engine's arguments come from engine_command.render_engine_command, the same renderer the local orchestrator
 uses; only what differs in a pod is changed: it listens on all addresses, the model path is taken as given, and
-addresses that name the engine (KV-events topic, NIXL side channel) use the pod's IP from the downward API.
+addresses that name the engine (KV-events topic, NIXL side channel) use the pod's IP from the downward API,
+and its OpenAI routes require the deployment's API key (VLLM_API_KEY from the Secret).
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import shlex
 
@@ -19,6 +23,7 @@ from django.conf import settings
 from kubernetes.utils import parse_quantity
 
 from ..engine_command import EnginePorts, UnsupportedEngineOption, render_engine_command
+from ..engine_keys import engine_api_key
 from ..models import EngineKind, KvConnector, ModelDeployment, Pool
 
 MANAGER = "inference-platform"
@@ -37,12 +42,37 @@ DP_RPC_PORT = 13345
 PORTS = EnginePorts(http=HTTP_PORT, kv_events=KV_EVENTS_PORT, side_channel=SIDE_CHANNEL_PORT)
 
 ROOT_API = ("v1", "ConfigMap")
+SECRET_API = ("v1", "Secret")
+NETWORK_POLICY_API = ("networking.k8s.io/v1", "NetworkPolicy")
 DEPLOYMENT_API = ("apps/v1", "Deployment")
 LWS_API = ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet")
 SERVICE_API = ("v1", "Service")
 INFERENCE_POOL_API = ("inference.networking.k8s.io/v1", "InferencePool")
-# Every kind the orchestrator creates, in the order it applies them (the root first: the rest refer to it).
-MANAGED_KINDS = [ROOT_API, SERVICE_API, DEPLOYMENT_API, LWS_API, INFERENCE_POOL_API]
+# Every kind the orchestrator creates, in the order it applies them (the root first: the rest refer to it;
+# the key and the policy before the pods that need them).
+MANAGED_KINDS = [
+    ROOT_API,
+    SECRET_API,
+    NETWORK_POLICY_API,
+    SERVICE_API,
+    DEPLOYMENT_API,
+    LWS_API,
+    INFERENCE_POOL_API,
+]
+
+# With this variable set, vLLM (0.32: serve/middleware/authenticate.py) requires the bearer token under /v1,
+# /v2, /inference and /cohere. Everything else stays open: /health and /metrics (so probes and the load
+# scraper need no key), but also /invocations and /tokenize; the NetworkPolicy is what keeps those in.
+ENGINE_KEY_ENV = "VLLM_API_KEY"
+# On the pod template: a new key changes it, so the pods restart and read the new Secret.
+ENGINE_KEY_ANNOTATION = "inference-platform/engine-key-sha256"
+
+# The platform's own pods, as deploy/base labels them, and the namespace they run in.
+PLATFORM_NAME_LABEL = "app.kubernetes.io/name"
+ROUTER_PODS = "router"
+WORKER_PODS = "worker"  # scrapes the engines' /metrics (routing/load_scraper.py)
+KV_INGESTER_PODS = "kv-ingester"
+DEFAULT_PLATFORM_NAMESPACE = "inference-platform"
 
 
 def namespace_of(deployment: ModelDeployment) -> str:
@@ -55,8 +85,6 @@ def root_name(deployment: ModelDeployment) -> str:
 
 def pool_object_name(deployment: ModelDeployment, pool: Pool) -> str:
     """Deployment, LWS and Service name; short enough that pod names and LWS group labels stay legal."""
-    import hashlib
-
     name = f"{deployment.name}-{pool.name}"
     if len(name) > 45:
         name = f"{name[:36].rstrip('-')}-{hashlib.sha256(name.encode()).hexdigest()[:8]}"
@@ -70,6 +98,19 @@ def deployment_labels(deployment: ModelDeployment) -> dict[str, str]:
         LABEL_DEPLOYMENT: deployment.name,
         LABEL_DEPLOYMENT_ID: str(deployment.pk),
     }
+
+
+def platform_namespace() -> str:
+    """Where the router, worker and KV-event ingester run (deploy/base puts them in inference-platform)."""
+    return getattr(settings, "KUBERNETES_PLATFORM_NAMESPACE", "") or DEFAULT_PLATFORM_NAMESPACE
+
+
+def engine_key_secret_name(deployment: ModelDeployment) -> str:
+    return f"{deployment.name}-engine-key"
+
+
+def network_policy_name(deployment: ModelDeployment) -> str:
+    return f"{deployment.name}-engines"
 
 
 def pool_selector(deployment: ModelDeployment, pool: Pool) -> dict[str, str]:
@@ -110,6 +151,69 @@ def render_root(deployment: ModelDeployment) -> dict:
             "served-model-name": deployment.served_model_name,
             "model": deployment.model_source,
             "pools": ",".join(pool.name for pool in deployment.pools.all()),
+        },
+    }
+
+
+def render_engine_key(deployment: ModelDeployment, owner: dict | None) -> dict:
+    """The Secret holding the engines' API key (as `data`, which is what the API server keeps and lists)."""
+    key = engine_api_key(deployment.pk)
+    api_version, kind = SECRET_API
+    return {
+        "apiVersion": api_version,
+        "kind": kind,
+        "metadata": _meta(
+            engine_key_secret_name(deployment), namespace_of(deployment), deployment_labels(deployment), owner
+        ),
+        "type": "Opaque",
+        "data": {ENGINE_KEY_ENV: base64.b64encode(key.encode()).decode()},
+    }
+
+
+def _platform_pods(name: str) -> dict:
+    return {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": platform_namespace()}},
+        "podSelector": {"matchLabels": {PLATFORM_NAME_LABEL: name}},
+    }
+
+
+def _tcp(port: int, end_port: int | None = None) -> dict:
+    port_spec = {"protocol": "TCP", "port": port}
+    if end_port is not None:
+        port_spec["endPort"] = end_port
+    return port_spec
+
+
+def render_network_policy(deployment: ModelDeployment, owner: dict | None) -> dict:
+    """Ingress to the deployment's pods from the platform only; everything else is refused.
+
+    - engine HTTP: the router (requests) and the Celery worker (the load scraper reads /metrics);
+    - KV events: the KV-event ingester;
+    - between the deployment's own pods, when they talk to each other (NIXL, or a LeaderWorkerSet), every
+      port but HTTP: the NIXL side channel (5600 and up, one port per data-parallel rank) and UCX's
+      transfers, the data-parallel RPC port and torch.distributed/NCCL, whose ports are chosen at run time.
+    The kubelet's probes come from the node, which a NetworkPolicy always lets through.
+    """
+    pools = list(deployment.pools.all())
+    ingress = [
+        {"from": [_platform_pods(ROUTER_PODS), _platform_pods(WORKER_PODS)], "ports": [_tcp(HTTP_PORT)]}
+    ]
+    if any(pool.enable_kv_events for pool in pools):
+        ingress.append({"from": [_platform_pods(KV_INGESTER_PODS)], "ports": [_tcp(KV_EVENTS_PORT)]})
+    if any(_nixl(pool) or pool.nodes_per_replica > 1 for pool in pools):
+        own = {"podSelector": {"matchLabels": {LABEL_DEPLOYMENT: deployment.name}}}
+        ingress.append({"from": [own], "ports": [_tcp(1, HTTP_PORT - 1), _tcp(HTTP_PORT + 1, 65535)]})
+    api_version, kind = NETWORK_POLICY_API
+    return {
+        "apiVersion": api_version,
+        "kind": kind,
+        "metadata": _meta(
+            network_policy_name(deployment), namespace_of(deployment), deployment_labels(deployment), owner
+        ),
+        "spec": {
+            "podSelector": {"matchLabels": {LABEL_DEPLOYMENT: deployment.name}},
+            "policyTypes": ["Ingress"],
+            "ingress": ingress,
         },
     }
 
@@ -176,7 +280,7 @@ def _nixl(pool: Pool) -> bool:
     return pool.kv_connector in (KvConnector.NIXL, KvConnector.MULTI)
 
 
-def _env(pool: Pool, fixed: dict[str, str]) -> list[dict]:
+def _env(deployment: ModelDeployment, pool: Pool, fixed: dict[str, str], serving: bool) -> list[dict]:
     env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
     if _nixl(pool):
         env.append(
@@ -186,6 +290,10 @@ def _env(pool: Pool, fixed: dict[str, str]) -> list[dict]:
     if settings.KUBERNETES_HF_TOKEN_SECRET:
         secret = {"name": settings.KUBERNETES_HF_TOKEN_SECRET, "key": "HF_TOKEN", "optional": True}
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": secret}})
+    if serving:
+        # Not optional: an engine that serves HTTP never starts without its key.
+        key = {"name": engine_key_secret_name(deployment), "key": ENGINE_KEY_ENV}
+        env.append({"name": ENGINE_KEY_ENV, "valueFrom": {"secretKeyRef": key}})
     return env
 
 
@@ -285,13 +393,24 @@ def _container(
         "image": _image(deployment),
         "command": command,
         "args": args,
-        "env": _env(pool, env),
+        "env": _env(deployment, pool, env, serving),
         "ports": _container_ports(pool, serving),
         "resources": _resources(pool),
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
         **_probes(serving),
+        **_lifecycle(serving),
     }
     return {key: value for key, value in container.items() if value != {} and value != []}
+
+
+def _lifecycle(serving: bool) -> dict:
+    """Before a serving pod gets SIGTERM it waits until the orchestrator has marked it unhealthy and every
+    router has reloaded (a reconcile interval and a config poll), so no new request reaches it while it stops;
+    vLLM then finishes what it has within the grace period. A scale-down the orchestrator makes drains first
+    (serving/drain.py) and removes a pod only once nothing is in flight there."""
+    if not serving:
+        return {}
+    return {"lifecycle": {"preStop": {"sleep": {"seconds": settings.KUBERNETES_PRESTOP_SLEEP_S}}}}
 
 
 def _pod_spec(pool: Pool, container: dict) -> dict:
@@ -301,7 +420,11 @@ def _pod_spec(pool: Pool, container: dict) -> dict:
         "volumes": [
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": settings.KUBERNETES_SHM_SIZE}}
         ],
-        "terminationGracePeriodSeconds": 60,
+        # A pod deleted by anyone (a rollout, a node drain) finishes the requests it has: see _lifecycle.
+        "terminationGracePeriodSeconds": settings.ENGINE_DRAIN_TIMEOUT_S
+        + settings.KUBERNETES_PRESTOP_SLEEP_S,
+        # An engine never calls the Kubernetes API: no token in the pod to steal.
+        "automountServiceAccountToken": False,
     }
     if pool.accelerator:
         spec["nodeSelector"] = {settings.KUBERNETES_ACCELERATOR_LABEL: pool.accelerator}
@@ -311,10 +434,19 @@ def _pod_spec(pool: Pool, container: dict) -> dict:
 
 
 def _template(deployment: ModelDeployment, pool: Pool, container: dict) -> dict:
-    return {"metadata": {"labels": pool_labels(deployment, pool)}, "spec": _pod_spec(pool, container)}
+    key_digest = hashlib.sha256(engine_api_key(deployment.pk).encode()).hexdigest()[:16]
+    return {
+        "metadata": {
+            "labels": pool_labels(deployment, pool),
+            "annotations": {ENGINE_KEY_ANNOTATION: key_digest},
+        },
+        "spec": _pod_spec(pool, container),
+    }
 
 
-def render_single_node(deployment: ModelDeployment, pool: Pool, owner: dict | None) -> dict:
+def render_single_node(
+    deployment: ModelDeployment, pool: Pool, owner: dict | None, replicas: int | None = None
+) -> dict:
     args, env = engine_args(deployment, pool)
     container = _container(deployment, pool, command=_program(deployment), args=args, env=env, serving=True)
     api_version, kind = DEPLOYMENT_API
@@ -324,7 +456,7 @@ def render_single_node(deployment: ModelDeployment, pool: Pool, owner: dict | No
         "kind": kind,
         "metadata": _meta(name, namespace_of(deployment), pool_labels(deployment, pool), owner),
         "spec": {
-            "replicas": pool.replicas,
+            "replicas": pool.replicas if replicas is None else replicas,
             "selector": {"matchLabels": pool_selector(deployment, pool)},
             # A new engine must be ready before an old one goes: GPUs permitting, capacity never drops.
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
@@ -333,7 +465,9 @@ def render_single_node(deployment: ModelDeployment, pool: Pool, owner: dict | No
     }
 
 
-def render_multi_node(deployment: ModelDeployment, pool: Pool, owner: dict | None) -> dict:
+def render_multi_node(
+    deployment: ModelDeployment, pool: Pool, owner: dict | None, replicas: int | None = None
+) -> dict:
     """One LWS group per replica: the leader (rank 0 of the data-parallel group) serves HTTP, workers are headless.
 
     vLLM's multi-node data parallelism: every node runs `--data-parallel-size-local` ranks; the leader's address
@@ -364,7 +498,7 @@ def render_multi_node(deployment: ModelDeployment, pool: Pool, owner: dict | Non
         "kind": kind,
         "metadata": _meta(name, namespace_of(deployment), pool_labels(deployment, pool), owner),
         "spec": {
-            "replicas": pool.replicas,
+            "replicas": pool.replicas if replicas is None else replicas,
             "startupPolicy": "LeaderCreated",
             "leaderWorkerTemplate": {
                 "size": pool.nodes_per_replica,
@@ -416,17 +550,30 @@ def render_inference_pool(deployment: ModelDeployment, owner: dict | None) -> di
     }
 
 
-def render_pool(deployment: ModelDeployment, pool: Pool, owner: dict | None) -> list[dict]:
+def render_pool(
+    deployment: ModelDeployment, pool: Pool, owner: dict | None, replicas: int | None = None
+) -> list[dict]:
+    """The pool's Service and workload; `replicas` overrides the pool's (its replicas plus those draining)."""
     _check(pool)
     workload = render_multi_node if pool.nodes_per_replica > 1 else render_single_node
-    return [render_service(deployment, pool, owner), workload(deployment, pool, owner)]
+    return [render_service(deployment, pool, owner), workload(deployment, pool, owner, replicas)]
 
 
-def render_children(deployment: ModelDeployment, owner: dict | None) -> list[dict]:
-    """Everything below the root object, for a running deployment."""
+def render_engine_access(deployment: ModelDeployment, owner: dict | None) -> list[dict]:
+    """The engines' key and network policy: kept for as long as the deployment exists, running or stopped,
+    so that pods still shutting down stay guarded and a restart finds them in place."""
+    return [render_engine_key(deployment, owner), render_network_policy(deployment, owner)]
+
+
+def render_children(
+    deployment: ModelDeployment, owner: dict | None, draining: dict[int, int] | None = None
+) -> list[dict]:
+    """The workloads below the root object, for a running deployment. `draining`: pool id -> replicas kept
+    beyond the pool's own while they drain."""
     objects = []
     for pool in deployment.pools.all():
-        objects += render_pool(deployment, pool, owner)
+        extra = (draining or {}).get(pool.pk, 0)
+        objects += render_pool(deployment, pool, owner, pool.replicas + extra if extra else None)
     if settings.KUBERNETES_INFERENCE_POOL:
         objects.append(render_inference_pool(deployment, owner))
     return objects

@@ -9,17 +9,21 @@ one (it catches someone else's edits). So a second reconcile in a row sends noth
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 from collections.abc import Collection
+from datetime import datetime
 
 from django.conf import settings
 from django.utils import timezone
 
 from inference_platform.config_version import bump_config_version_on_commit
 
+from .. import drain
 from ..engine_command import UnsupportedEngineOption
+from ..lifetimes import lifetime_close, lifetime_open, lifetime_ready
 from ..models import (
     DesiredStatus,
     Endpoint,
@@ -37,6 +41,9 @@ from .kube_api import KubeApi, KubernetesError, cluster_configured
 log = logging.getLogger(__name__)
 
 HASH_ANNOTATION = "inference-platform/applied-hash"
+# The ReplicaSet controller deletes the pods of lowest cost first when a Deployment scales down.
+POD_DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
+DRAIN_DELETION_COST = -1_000_000
 
 
 def applied_hash(obj: dict) -> str:
@@ -69,6 +76,17 @@ def _selector(deployment_id: int | None = None) -> str:
     if deployment_id is not None:
         selector += f",{render.LABEL_DEPLOYMENT_ID}={deployment_id}"
     return selector
+
+
+def _group_index(name: str) -> int:
+    """A LeaderWorkerSet leader pod's group index (`<set>-<group>`)."""
+    tail = name.rsplit("-", 1)[-1]
+    return int(tail) if tail.isdigit() else -1
+
+
+def _started_at(pod: dict) -> datetime | None:
+    created = pod["metadata"].get("creationTimestamp")
+    return datetime.fromisoformat(created.replace("Z", "+00:00")) if created else None
 
 
 def _ready(pod: dict) -> bool:
@@ -115,19 +133,83 @@ class KubernetesOrchestrator(Orchestrator):
             return ReconcileResult(ObservedStatus.FAILED, f"Cannot render: {exc}.")
 
         live = self._live(namespace, deployment.pk)
+        endpoints_changed = self._read_endpoints(deployment, namespace)
+        draining = self._drain(deployment, namespace, live) if running else {}
         applied: list[str] = []
         root = self._apply(render.render_root(deployment), live, applied)
         owner = render.owner_reference(deployment, root["metadata"]["uid"])
-        desired = [render.render_root(deployment)]
+        desired = [render.render_root(deployment), *render.render_engine_access(deployment, owner)]
         if running:
-            desired += render.render_children(deployment, owner)
-            for obj in desired[1:]:
-                self._apply(obj, live, applied)
+            desired += render.render_children(deployment, owner, draining)
+        for obj in desired[1:]:
+            self._apply(obj, live, applied)
         pruned = self._prune(live, {render.object_key(obj) for obj in desired})
-        endpoints_changed = self._read_endpoints(deployment, namespace)
         if applied or pruned or endpoints_changed:
             bump_config_version_on_commit()
-        return self._summary(deployment, namespace, applied, pruned)
+        result = self._summary(deployment, namespace, applied, pruned)
+        if any(draining.values()):
+            result = ReconcileResult(
+                result.status,
+                result.message + f" Draining {sum(draining.values())} replica(s).",
+                result.endpoints,
+                settling=True,
+            )
+        return result
+
+    def _drain(self, deployment: ModelDeployment, namespace: str, live: dict) -> dict[int, int]:
+        """Scale-down without dropping a request (serving/drain.py). When a pool's replicas drop below what its
+        live workload serves, the pods whose loss costs least are marked draining and made the ones its
+        controller deletes first (`controller.kubernetes.io/pod-deletion-cost`); the workload keeps them, counted
+        here per pool, until nothing is in flight there. A LeaderWorkerSet removes its highest groups, so those are
+        drained. Pods beyond the replicas during a rolling update are not a scale-down: the live workload's own
+        replicas, not the pods, decide."""
+        kept: dict[int, int] = {}
+        for pool in deployment.pools.all():
+            api_version, kind = render.LWS_API if pool.nodes_per_replica > 1 else render.DEPLOYMENT_API
+            workload = live.get((api_version, kind, render.pool_object_name(deployment, pool)))
+            rows = list(Endpoint.objects.filter(pool=pool).order_by("name"))
+            serving = [e for e in rows if e.draining_since is None]
+            going = [
+                e for e in rows if e.draining_since is not None
+            ]  # drained ones stay until their pod goes
+            leaving = [e for e in going if not drain.drained(self.redis, e)]
+            if workload is None:
+                continue
+            excess = int(workload["spec"].get("replicas") or 0) - len(going) - pool.replicas
+            if excess > 0 and serving:
+                if pool.nodes_per_replica > 1:
+                    victims = sorted(serving, key=lambda e: _group_index(e.name))[-excess:]
+                else:
+                    victims = drain.choose_victims(self.redis, serving, excess)
+                drain.start_draining(victims)
+                for victim in victims:
+                    self._mark_for_deletion(namespace, victim.name)
+                leaving += victims
+            elif excess < 0 and leaving and pool.nodes_per_replica == 1:
+                back = leaving[:-excess]
+                drain.stop_draining(back)
+                for endpoint in back:
+                    self._mark_for_deletion(namespace, endpoint.name, cost=None)
+                leaving = leaving[len(back) :]
+            kept[pool.pk] = len(leaving)
+        return kept
+
+    def _mark_for_deletion(self, namespace: str, pod: str, cost: int | None = DRAIN_DELETION_COST) -> None:
+        """Set (or, with None, clear) the pod's deletion cost, under our field manager."""
+        annotations = {} if cost is None else {POD_DELETION_COST: str(cost)}
+        self.api.apply(
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": pod, "namespace": namespace, "annotations": annotations},
+            }
+        )
+
+    @functools.cached_property
+    def redis(self):
+        import redis
+
+        return redis.Redis.from_url(settings.REDIS_URL)
 
     def _live(self, namespace: str, deployment_id: int) -> dict[tuple[str, str, str], dict]:
         live = {}
@@ -201,13 +283,26 @@ class KubernetesOrchestrator(Orchestrator):
                     Endpoint.objects.filter(pk=endpoint.pk).update(last_seen_at=now)
                 continue
             # A pod IP is unique in the cluster now; an older row may still hold it from a pod that is gone.
-            Endpoint.objects.filter(url=wanted["url"]).exclude(pool=pool, name=name).delete()
+            for stale in Endpoint.objects.filter(url=wanted["url"]).exclude(pool=pool, name=name):
+                lifetime_close(stale, now)
+                stale.delete()
             if wanted["health"] == Health.HEALTHY:
                 wanted["last_seen_at"] = now
-            Endpoint.objects.update_or_create(pool=pool, name=name, defaults=wanted)
+            if endpoint is None:
+                endpoint = Endpoint(pool=pool, name=name)
+                lifetime_open(endpoint, pool.deployment, pool, _started_at(pod))
+            was_healthy = endpoint.health == Health.HEALTHY and endpoint.pk is not None
+            for key, value in wanted.items():
+                setattr(endpoint, key, value)
+            endpoint.save()
+            if wanted["health"] == Health.HEALTHY and not was_healthy:
+                lifetime_ready(endpoint, now)
             changed = True
-        deleted, _ = Endpoint.objects.filter(pool=pool).exclude(name__in=names).delete()
-        return changed or bool(deleted)
+        gone = list(Endpoint.objects.filter(pool=pool).exclude(name__in=names))
+        for endpoint in gone:
+            lifetime_close(endpoint, now)
+            endpoint.delete()
+        return changed or bool(gone)
 
     def _summary(
         self, deployment: ModelDeployment, namespace: str, applied: list[str], pruned: list[str]

@@ -8,6 +8,7 @@ changes nothing but health and last_seen_at.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from django.utils import timezone
 from inference_platform.config_version import bump_config_version_on_commit
 from inference_platform.ports import free_port, port_is_free
 
+from .. import drain
 from ..engine_command import (
     ENGINE_HOST,
     EngineCommand,
@@ -29,6 +31,7 @@ from ..engine_command import (
     UnsupportedEngineOption,
     render_engine_command,
 )
+from ..lifetimes import lifetime_close, lifetime_open, lifetime_ready
 from ..models import (
     DesiredStatus,
     Endpoint,
@@ -69,6 +72,19 @@ def _port(address: str) -> int | None:
     return urlsplit(address if "://" in address else f"//{address}").port
 
 
+def slot_index(deployment: ModelDeployment, pool: Pool, name: str) -> int | None:
+    """The replica index an endpoint's name carries (see `endpoint_name`); None for a name not of the pool."""
+    prefix = f"{deployment.name}-{pool.name}-"
+    tail = name[len(prefix) :] if name.startswith(prefix) else ""
+    return int(tail) if tail.isdigit() else None
+
+
+def _retire(endpoint: Endpoint) -> None:
+    """An endpoint whose engine is gone for good: its lifetime ends, its row goes."""
+    lifetime_close(endpoint)
+    endpoint.delete()  # routers reload (routing/apps.py)
+
+
 def _reserved_ports(excluding: Endpoint | None) -> set[int]:
     rows = Endpoint.objects.exclude(pk=getattr(excluding, "pk", None))
     ports = set()
@@ -79,6 +95,7 @@ def _reserved_ports(excluding: Endpoint | None) -> set[int]:
 
 class LocalOrchestrator(Orchestrator):
     kind = OrchestratorKind.LOCAL
+    orphans_draining = 0  # engines of deleted deployments the last sweep left draining
 
     def reconcile(self, deployment: ModelDeployment) -> ReconcileResult:
         running = {
@@ -86,43 +103,127 @@ class LocalOrchestrator(Orchestrator):
             for slot, procs in processes.find_engines().items()
             if slot.deployment_id == deployment.pk
         }
-        wanted = self._wanted(deployment)
+        wanted, draining = self._plan(deployment)
         for slot, procs in running.items():
-            if slot not in wanted:
+            if slot not in wanted and slot not in draining:
                 log.info("stopping %s: no longer wanted", slot.mark())
                 processes.stop(procs)
-        wanted_names = {
-            (pool.pk, endpoint_name(deployment, pool, slot.index)) for slot, pool in wanted.items()
+        kept = {(pool.pk, endpoint_name(deployment, pool, slot.index)) for slot, pool in wanted.items()} | {
+            (endpoint.pool_id, endpoint.name) for endpoint in draining.values()
         }
         for endpoint in Endpoint.objects.filter(pool__deployment=deployment):
-            if (endpoint.pool_id, endpoint.name) not in wanted_names:
-                endpoint.delete()
+            if (endpoint.pool_id, endpoint.name) not in kept:
+                _retire(endpoint)
 
         states = [
             self._reconcile_slot(deployment, pool, slot, running.get(slot, []))
             for slot, pool in sorted(wanted.items())
         ]
-        return self._summary(deployment, states)
+        leaving = [
+            state
+            for slot, endpoint in sorted(draining.items())
+            if (state := self._drain(endpoint, running.get(slot, []))) is not None
+        ]
+        result = self._summary(deployment, states)
+        if leaving:
+            names = ", ".join(state.name for state in leaving)
+            if result.status == ObservedStatus.STOPPED:
+                return ReconcileResult(
+                    ObservedStatus.PROGRESSING, f"Stopping; draining: {names}.", [], settling=True
+                )
+            note = f" Draining: {names}."
+            result = ReconcileResult(result.status, result.message + note, result.endpoints, settling=True)
+        return result
 
-    def sweep(self, deployment_ids: Collection[int]) -> list[str]:
+    def _plan(self, deployment: ModelDeployment) -> tuple[dict[Slot, Pool], dict[Slot, Endpoint]]:
+        """The slots whose engines should serve, and the endpoints draining (kept running until drained).
+
+        A pool with more serving endpoints than replicas drains the ones whose removal loses least
+        (serving/drain.py); one with fewer takes draining ones back first (warm), then starts new slots at the
+        lowest free indexes."""
+        existing: dict[int, list[Endpoint]] = {}
+        for endpoint in Endpoint.objects.filter(pool__deployment=deployment).select_related("lifetime"):
+            existing.setdefault(endpoint.pool_id, []).append(endpoint)
+        wanted: dict[Slot, Pool] = {}
+        draining: dict[Slot, Endpoint] = {}
+        if deployment.desired_status == DesiredStatus.STOPPED:
+            # Stopping drains every engine, as a scale-down does.
+            for pool in deployment.pools.all():
+                mine = existing.get(pool.pk, [])
+                drain.start_draining([e for e in mine if e.draining_since is None])
+                for endpoint in mine:
+                    index = slot_index(deployment, pool, endpoint.name)
+                    if index is not None:
+                        draining[Slot(deployment.pk, pool.pk, index)] = endpoint
+            return wanted, draining
+        for pool in deployment.pools.all():
+            mine = {}
+            for endpoint in existing.get(pool.pk, []):
+                index = slot_index(deployment, pool, endpoint.name)
+                if index is not None:
+                    mine[index] = endpoint
+            serving = [e for i, e in sorted(mine.items()) if e.draining_since is None]
+            leaving = [e for i, e in sorted(mine.items()) if e.draining_since is not None]
+            excess = len(serving) - pool.replicas
+            if excess > 0:
+                victims = drain.choose_victims(self.redis, serving, excess)
+                drain.start_draining(victims)
+                serving = [e for e in serving if e not in victims]
+                leaving += victims
+            elif excess < 0 and leaving:
+                back = sorted(leaving, key=lambda e: e.health != Health.HEALTHY)[:-excess]
+                drain.stop_draining(back)
+                serving += back
+                leaving = [e for e in leaving if e not in back]
+            index_of = {e.pk: i for i, e in mine.items()}
+            for endpoint in serving:
+                wanted[Slot(deployment.pk, pool.pk, index_of[endpoint.pk])] = pool
+            for endpoint in leaving:
+                draining[Slot(deployment.pk, pool.pk, index_of[endpoint.pk])] = endpoint
+            used = set(mine)
+            index = 0
+            while len([s for s in wanted if s.pool_id == pool.pk]) < pool.replicas:
+                if index not in used:
+                    wanted[Slot(deployment.pk, pool.pk, index)] = pool
+                index += 1
+        return wanted, draining
+
+    def _drain(self, endpoint: Endpoint, procs: list[psutil.Process]) -> SlotState | None:
+        """A draining endpoint: stopped once drained (None), else reported as draining."""
+        if not procs or drain.drained(self.redis, endpoint):
+            log.info("engine %s drained: stopping it", endpoint.name)
+            processes.stop(procs)
+            _retire(endpoint)
+            return None
+        return SlotState(endpoint.name, endpoint.health, "draining", settling=True)
+
+    @functools.cached_property
+    def redis(self):
+        import redis
+
+        return redis.Redis.from_url(settings.REDIS_URL)
+
+    def sweep(self, deployment_ids: Collection[int], *, drain_first: bool = True) -> list[str]:
+        """Stop the engines of deployments that are gone, each once it runs nothing (or after the drain
+        timeout): with their Endpoint rows gone, routers send them nothing new. Without `drain_first` (the
+        platform itself stopping), at once."""
         gone = []
+        self.orphans_draining = 0
         for slot, procs in processes.find_engines().items():
             if slot.deployment_id not in deployment_ids:
+                port = next((p for p in map(processes.http_port, procs) if p), None)
+                url = f"http://{ENGINE_HOST}:{port}" if port else None
+                mark = f"{processes.owner_id()}:{slot.mark()}"
+                if drain_first and not drain.orphan_drained(self.redis, mark, url):
+                    log.info("orphan engine %s is draining: stopped once it is idle", slot.mark())
+                    self.orphans_draining += 1
+                    continue
                 log.info("stopping orphan engine %s", slot.mark())
                 processes.stop(procs)
                 gone.append(slot.mark())
         return gone
 
     # --- one replica -------------------------------------------------------------------------------------
-
-    def _wanted(self, deployment: ModelDeployment) -> dict[Slot, Pool]:
-        if deployment.desired_status == DesiredStatus.STOPPED:
-            return {}
-        return {
-            Slot(deployment.pk, pool.pk, index): pool
-            for pool in deployment.pools.all()
-            for index in range(pool.replicas)
-        }
 
     def _reconcile_slot(
         self, deployment: ModelDeployment, pool: Pool, slot: Slot, procs: list[psutil.Process]
@@ -207,6 +308,7 @@ class LocalOrchestrator(Orchestrator):
             endpoint.health = Health.UNHEALTHY
             endpoint.next_restart_at = now + timedelta(seconds=delay)
             endpoint.save(update_fields=["pid", "health", "next_restart_at"])
+            lifetime_close(endpoint, now)
             log.warning("engine %s exited; restart in %s s", endpoint.name, delay)
         if endpoint.next_restart_at and now < endpoint.next_restart_at:
             wait = (endpoint.next_restart_at - now).total_seconds()
@@ -245,6 +347,7 @@ class LocalOrchestrator(Orchestrator):
         endpoint.started_at = timezone.now()
         if crashed:
             endpoint.restart_count += 1
+        lifetime_open(endpoint, deployment, pool)
         endpoint.save()
         log.info("engine %s %s: pid %s on %s", name, reason, pid, endpoint.url)
         return SlotState(name, Health.STARTING, reason, settling=True)
@@ -272,6 +375,8 @@ class LocalOrchestrator(Orchestrator):
         changes = {"health": health}
         if health == Health.HEALTHY:
             changes["last_seen_at"] = now
+            if endpoint.health != Health.HEALTHY:
+                lifetime_ready(endpoint, now)
         elif health == Health.UNHEALTHY and self._hung(endpoint, now):
             log.warning(
                 "engine %s is alive but has not been healthy for too long: stopping it", endpoint.name

@@ -121,6 +121,18 @@ def spawn(*, argv: list[str], env: dict[str, str], name: str, slot: Slot) -> int
     return child.pid
 
 
+def http_port(proc: psutil.Process) -> int | None:
+    """The HTTP port an engine process was started with (`--port N`), if it is one."""
+    try:
+        argv = proc.cmdline()
+    except psutil.Error:
+        return None
+    if "--port" in argv[:-1]:
+        value = argv[argv.index("--port") + 1]
+        return int(value) if value.isdigit() else None
+    return None
+
+
 def _signal(proc: psutil.Process, sig: signal.Signals) -> None:
     """Signal the engine's whole process group when it leads one (vLLM runs helper processes)."""
     with contextlib.suppress(ProcessLookupError, psutil.Error):

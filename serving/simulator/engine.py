@@ -46,6 +46,7 @@ class Request:
     seed: int | None = None
     kv_transfer_params: dict | None = None
     output_script: list[int] | None = None  # the output to generate instead of sampled tokens
+    cache_salt: str | None = None  # salts the prompt's first block: another salt's cached blocks never match
     arrival: float = field(default_factory=time.monotonic)
     # Filled in as the request runs.
     cached_tokens: int = 0  # GPU prefix hits plus tokens restored from the CPU tier, as vLLM's usage counts
@@ -116,8 +117,12 @@ class Engine:
     async def generate(self, request: Request) -> AsyncIterator[int]:
         """Yield the request's output token ids as they are generated."""
         size = self.pool.block_size
-        hashes = block_hashes(request.prompt_ids, size) if self.prefix_caching else []
-        allocation = Allocation()
+        hashes = (
+            block_hashes(request.prompt_ids, size, cache_salt=request.cache_salt)
+            if self.prefix_caching
+            else []
+        )
+        allocation = Allocation(cache_salt=request.cache_salt)
         admitted = False
         finished_normally = False
         hold = False
@@ -270,7 +275,9 @@ class Engine:
             index = length // size - 1
             parent = allocation.hashes[-1] if allocation.hashes else None
             if len(allocation.hashes) == index:  # the chain is whole up to here
-                new = block_hashes(sequence[index * size : length], size, parent)
+                new = block_hashes(
+                    sequence[index * size : length], size, parent, cache_salt=request.cache_salt
+                )
                 self.pool.commit_full_blocks(new, sequence[index * size : length], allocation)
         self._update_gauges()
 

@@ -71,21 +71,21 @@ class KVEventPublisher:
             asyncio.get_running_loop().call_soon(self._flush)
 
     def block_stored(self, event: dict) -> None:
-        self.add(
-            {
-                "type": "BlockStored",
-                "block_hashes": event["block_hashes"],
-                "parent_block_hash": event["parent_block_hash"],
-                "token_ids": event["token_ids"],
-                "block_size": event["block_size"],
-                "lora_id": None,
-                "medium": event["medium"],
-                "lora_name": None,
-                "extra_keys": [None] * len(event["block_hashes"]),
-                "group_idx": 0,
-                "kv_cache_spec_kind": "full_attention",
-            }
-        )
+        stored = {
+            "type": "BlockStored",
+            "block_hashes": event["block_hashes"],
+            "parent_block_hash": event["parent_block_hash"],
+            "token_ids": event["token_ids"],
+            "block_size": event["block_size"],
+            "lora_id": None,
+            "medium": event["medium"],
+            "lora_name": None,
+            "group_idx": 0,
+            "kv_cache_spec_kind": "full_attention",
+        }
+        if event.get("extra_keys") is not None:  # vLLM omits the field where it has none (its CPU tier)
+            stored["extra_keys"] = event["extra_keys"]
+        self.add(stored)
 
     def block_removed(self, event: dict) -> None:
         self.add(

@@ -3,6 +3,10 @@ optional CPU tier below it (vLLM's OffloadingConnector with its CPU spec and LRU
 
 Block hashes follow vLLM's default scheme (sha256 over a pickle of parent hash, block token ids and extra
 keys, seeded from PYTHONHASHSEED), so a block gets the same hash here as on a vLLM engine with the same seed.
+A request's `cache_salt` is an extra key of its first block only, as in vLLM: the same tokens under another salt
+chain from another first hash, so they share no cached block. The GPU pool's BlockStored events say so in
+`extra_keys` (one entry per block: `[salt]` for a salted first block, else None); the CPU tier's carry none, as
+vLLM 0.32's offloading connector publishes none.
 """
 
 from __future__ import annotations
@@ -25,14 +29,28 @@ NONE_HASH = _sha256(os.environ.get("PYTHONHASHSEED") or "vllm-none-hash")
 
 
 def block_hashes(
-    token_ids: Sequence[int], block_size: int, parent: bytes | None = None, start: int = 0
+    token_ids: Sequence[int],
+    block_size: int,
+    parent: bytes | None = None,
+    start: int = 0,
+    cache_salt: str | None = None,
 ) -> list[bytes]:
-    """Chained hashes of the full blocks of `token_ids` from block index `start` on."""
+    """Chained hashes of the full blocks of `token_ids` from block index `start` on. `cache_salt` salts the
+    sequence's first block: give it when `token_ids` start at the sequence's first token (no `parent`)."""
     hashes = []
     for begin in range(start * block_size, len(token_ids) - block_size + 1, block_size):
-        parent = _sha256((parent or NONE_HASH, tuple(token_ids[begin : begin + block_size]), None))
+        extra = (("cache_salt", cache_salt),) if cache_salt and begin == 0 and parent is None else None
+        parent = _sha256((parent or NONE_HASH, tuple(token_ids[begin : begin + block_size]), extra))
         hashes.append(parent)
     return hashes
+
+
+def event_extra_keys(first_index: int, count: int, cache_salt: str | None) -> list[list[str] | None]:
+    """The `extra_keys` of a BlockStored for `count` blocks from block index `first_index` of a sequence."""
+    keys: list[list[str] | None] = [None] * count
+    if cache_salt and first_index == 0 and count:
+        keys[0] = [cache_salt]
+    return keys
 
 
 def external_hash(block_hash: bytes) -> int:
@@ -51,6 +69,7 @@ class Allocation:
 
     hashes: list[bytes] = field(default_factory=list)
     private_blocks: int = 0
+    cache_salt: str | None = None  # the request's, which its first block's hash and event carry
 
 
 class BlockPool:
@@ -175,6 +194,10 @@ class BlockPool:
                 "token_ids": list(token_ids[first * size : (run[-1] + 1) * size]),
                 "block_size": size,
                 "medium": self.medium,
+                # `hashes` continue the request's chain after the blocks it already holds.
+                "extra_keys": event_extra_keys(
+                    len(allocation.hashes) + first, len(run), allocation.cache_salt
+                ),
             }
         )
 

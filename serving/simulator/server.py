@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import hashlib
 import json
 import logging
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -60,6 +63,52 @@ def _bad_param(message: str, param: str, value) -> ApiError:
 def _invalid(message: str, param: str) -> ApiError:
     """A request field refused by vLLM's request model (its VLLMValidationError)."""
     return ApiError(400, f"{message} (parameter={param})", param=param)
+
+
+CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
+CACHE_SALT_MAX_LENGTH = 128
+
+
+def cache_salt_of(body: dict) -> str | None:
+    """The request's `cache_salt`, refused as vLLM's request models refuse it (validate_cache_salt)."""
+    salt = body.get("cache_salt")
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not salt:
+        raise _invalid("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
+    if len(salt) > CACHE_SALT_MAX_LENGTH or not CACHE_SALT_FORBIDDEN.isdisjoint(salt):
+        raise _invalid(
+            "Parameter 'cache_salt' must be at most 128 characters and must not contain '@', '/', '\\\\', or NUL.",
+            "cache_salt",
+        )
+    return salt
+
+
+def anthropic_salt_type(salt) -> None:
+    """/v1/messages' own request model types `cache_salt` (a string of 1 to 1024 characters) before anything
+    else, and refuses it in pydantic's words and the plain error shape."""
+    if salt is None:
+        return
+    if not isinstance(salt, str):
+        problem = {"type": "string_type", "msg": "Input should be a valid string", "input": str(salt)}
+    elif not salt:
+        problem = {
+            "type": "string_too_short",
+            "msg": "String should have at least 1 character",
+            "input": salt,
+        }
+        problem["ctx"] = {"min_length": 1}
+    elif len(salt) > 1024:
+        problem = {
+            "type": "string_too_long",
+            "msg": "String should have at most 1024 characters",
+            "input": salt,
+        }
+        problem["ctx"] = {"max_length": 1024}
+    else:
+        return
+    detail = {"type": problem.pop("type"), "loc": "body.cache_salt", **problem}
+    raise ApiError(400, f"1 validation error:\n  {detail}", "Bad Request", "body.cache_salt")
 
 
 def _dumps(obj) -> str:
@@ -330,6 +379,7 @@ class SimulatorApp:
         call = None
         try:
             body = await self._json(http)
+            cache_salt = cache_salt_of(body)
             model = self._check_model(body)
             if chat:
                 choice = _tool_choice(body)
@@ -341,6 +391,7 @@ class SimulatorApp:
             else:
                 prompt_ids = self._completion_prompt_ids(body)
             max_tokens = self._max_tokens(body, chat, len(prompt_ids))
+            n = _choices(body)
         except ApiError as exc:
             return _json_response(exc.body(), exc.status)
         external = http.headers.get("X-Request-Id") or body.get("request_id") or uuid.uuid4().hex[:16]
@@ -352,21 +403,65 @@ class SimulatorApp:
             seed=body.get("seed"),
             kv_transfer_params=body.get("kv_transfer_params"),
             output_script=call.ids if call else None,
+            cache_salt=cache_salt,
         )
+        # `n` choices are n requests sharing the prompt, as vLLM fans a parent request out into children: the
+        # first computes the prompt, the others find it cached.
+        reqs = [req] + [
+            dataclasses.replace(
+                req,
+                request_id=f"{index}_{response_id}",
+                seed=None if req.seed is None else req.seed + index,
+                kv_transfer_params=None,
+                output_ids=[],
+            )
+            for index in range(1, n)
+        ]
         created = int(time.time())
         stream_options = body.get("stream_options") or {}
         if body.get("stream"):
-            return await self._stream(http, req, chat, model, response_id, created, stream_options, call)
-        return await self._complete(req, chat, model, response_id, created, call)
+            return await self._stream(http, reqs, chat, model, response_id, created, stream_options, call)
+        return await self._complete(reqs, chat, model, response_id, created, call)
 
     async def _complete(
-        self, req: Request, chat: bool, model: str, response_id: str, created: int, call: ToolCall | None
+        self,
+        reqs: list[Request],
+        chat: bool,
+        model: str,
+        response_id: str,
+        created: int,
+        call: ToolCall | None,
     ) -> web.Response:
-        try:
+        async def run(req: Request) -> None:
             async for _ in self.engine.generate(req):
                 pass
+
+        try:
+            if len(reqs) == 1:
+                await run(reqs[0])
+            else:
+                await asyncio.gather(*(run(req) for req in reqs))
         except RemotePrefillError as exc:
             return _json_response(ApiError(500, str(exc), "InternalServerError").body(), 500)
+        choices = [self._choice(index, req, chat, call) for index, req in enumerate(reqs)]
+        body = {
+            "id": response_id,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": created,
+            "model": model,
+            "choices": choices,
+            "service_tier": None,
+            "system_fingerprint": self.fingerprint,
+            "usage": self._usage(reqs, chat, null_details=True),
+            "kv_transfer_params": reqs[0].kv_transfer_out,
+            "ec_transfer_params": None,
+            "metrics": None,
+        }
+        if chat:
+            body.update(prompt_logprobs=None, prompt_token_ids=None, prompt_text=None)
+        return web.json_response(body, dumps=_dumps)
+
+    def _choice(self, index: int, req: Request, chat: bool, call: ToolCall | None) -> dict:
         text = self._detok(req.output_ids)
         if chat:
             message = {
@@ -388,8 +483,8 @@ class SimulatorApp:
                     "reasoning": None,
                 }
                 finish_reason = "stop" if call.named else "tool_calls"
-            choice = {
-                "index": 0,
+            return {
+                "index": index,
                 "message": message,
                 "logprobs": None,
                 "finish_reason": finish_reason,
@@ -397,39 +492,22 @@ class SimulatorApp:
                 "token_ids": None,
                 "routed_experts": None,
             }
-        else:
-            choice = {
-                "index": 0,
-                "text": text,
-                "logprobs": None,
-                "finish_reason": req.finish_reason,
-                "stop_reason": None,
-                "token_ids": None,
-                "prompt_logprobs": None,
-                "prompt_token_ids": None,
-                "routed_experts": None,
-            }
-        body = {
-            "id": response_id,
-            "object": "chat.completion" if chat else "text_completion",
-            "created": created,
-            "model": model,
-            "choices": [choice],
-            "service_tier": None,
-            "system_fingerprint": self.fingerprint,
-            "usage": self._usage(req, chat, null_details=True),
-            "kv_transfer_params": req.kv_transfer_out,
-            "ec_transfer_params": None,
-            "metrics": None,
+        return {
+            "index": index,
+            "text": text,
+            "logprobs": None,
+            "finish_reason": req.finish_reason,
+            "stop_reason": None,
+            "token_ids": None,
+            "prompt_logprobs": None,
+            "prompt_token_ids": None,
+            "routed_experts": None,
         }
-        if chat:
-            body.update(prompt_logprobs=None, prompt_token_ids=None, prompt_text=None)
-        return web.json_response(body, dumps=_dumps)
 
     async def _stream(
         self,
         http: web.Request,
-        req: Request,
+        reqs: list[Request],
         chat: bool,
         model: str,
         response_id: str,
@@ -445,7 +523,7 @@ class SimulatorApp:
         )
         await response.prepare(http)
 
-        def chunk(choices: list, **extra) -> bytes:
+        def chunk(choices: list, req: Request | None = None, **extra) -> bytes:
             data = {
                 "id": response_id,
                 "object": obj,
@@ -455,66 +533,75 @@ class SimulatorApp:
                 **extra,
             }
             if continuous and choices:
+                # Each chunk carries its own choice's running usage (vLLM's, with `n` over 1 as well).
                 data["usage"] = self._running_usage(req)
             return f"data: {_dumps(data)}\n\n".encode()
 
-        generator = self.engine.generate(req)
-        calls = ToolCallStream(call) if call is not None else None
         # With no decode time the tokens come all at once: one write instead of one per event keeps this
         # zero-latency upstream cheaper than any gateway measured in front of it.
         timing = self.engine.timing
         coalesce = timing.decode_time == 0 and timing.decode_time_per_seq == 0
         pending: list[bytes] = []
+        produced = [0] * len(reqs)
+        calls = [ToolCallStream(call) if call is not None else None for _ in reqs]
+
+        def event(index: int, token: int) -> bytes | None:
+            """The chunk for choice `index`'s next token, or None while a tool-call parser holds it back."""
+            req = reqs[index]
+            produced[index] += 1
+            last = produced[index] == req.output_limit
+            finish = None
+            if last:
+                finish = "stop" if req.stops else "length"
+                if call is not None and finish == "stop" and not call.named:
+                    finish = "tool_calls"
+            if calls[index] is not None:
+                # The parser holds back what is not yet part of the call's name or arguments.
+                deltas = calls[index].step(produced[index])
+                if not deltas and not last:
+                    return None
+                delta = {"content": None, "tool_calls": deltas} if deltas else {}
+                choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+            elif chat:
+                choice = {
+                    "index": index,
+                    "delta": {"content": self._detok([token])},
+                    "logprobs": None,
+                    "finish_reason": finish,
+                }
+            else:
+                choice = {
+                    "index": index,
+                    "text": self._detok([token]),
+                    "logprobs": None,
+                    "finish_reason": finish,
+                    "stop_reason": None,
+                    "prompt_token_ids": None,
+                }
+            if last:
+                choice["stop_reason"] = None
+            choice["token_ids"] = None
+            done = last and all(p == r.output_limit for p, r in zip(produced, reqs, strict=True))
+            extra = {"system_fingerprint": self.fingerprint} if done and not include_usage else {}
+            return chunk([choice], req, **extra)
+
+        generators = [self.engine.generate(req) for req in reqs]
         try:
             if chat:
-                role = [
-                    {
-                        "index": 0,
+                # Sent with the first token, as vLLM sends it: from its first output, after the prefill.
+                for index, req in enumerate(reqs):
+                    role = {
+                        "index": index,
                         "delta": {"role": "assistant", "content": ""},
                         "logprobs": None,
                         "finish_reason": None,
                     }
-                ]
-                # Sent with the first token, as vLLM sends it: from its first output, after the prefill.
-                pending.append(chunk(role, prompt_token_ids=None, prompt_text=None))
-            produced = 0
-            last_at = req.output_limit
-            async for token in generator:
-                produced += 1
-                last = produced == last_at
-                finish = None
-                if last:
-                    finish = "stop" if req.stops else "length"
-                    if call is not None and finish == "stop" and not call.named:
-                        finish = "tool_calls"
-                if calls is not None:
-                    # The parser holds back what is not yet part of the call's name or arguments.
-                    deltas = calls.step(produced)
-                    if not deltas and not last:
-                        continue
-                    delta = {"content": None, "tool_calls": deltas} if deltas else {}
-                    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-                elif chat:
-                    choice = {
-                        "index": 0,
-                        "delta": {"content": self._detok([token])},
-                        "logprobs": None,
-                        "finish_reason": finish,
-                    }
-                else:
-                    choice = {
-                        "index": 0,
-                        "text": self._detok([token]),
-                        "logprobs": None,
-                        "finish_reason": finish,
-                        "stop_reason": None,
-                        "prompt_token_ids": None,
-                    }
-                if last:
-                    choice["stop_reason"] = None
-                choice["token_ids"] = None
-                extra = {"system_fingerprint": self.fingerprint} if last and not include_usage else {}
-                pending.append(chunk([choice], **extra))
+                    pending.append(chunk([role], req, prompt_token_ids=None, prompt_text=None))
+            async for index, token in _merged(generators):
+                data = event(index, token)
+                if data is None:
+                    continue
+                pending.append(data)
                 if not coalesce:
                     await response.write(b"".join(pending))
                     pending.clear()
@@ -522,7 +609,7 @@ class SimulatorApp:
                 pending.append(
                     chunk(
                         [],
-                        usage=self._usage(req, chat, null_details=False),
+                        usage=self._usage(reqs, chat, null_details=False),
                         system_fingerprint=self.fingerprint,
                     )
                 )
@@ -534,7 +621,8 @@ class SimulatorApp:
             )
             await response.write(b"data: [DONE]\n\n")
         finally:
-            await generator.aclose()
+            for generator in generators:
+                await generator.aclose()
         return response
 
     # --- Anthropic Messages API ---------------------------------------------------------------------------
@@ -547,9 +635,12 @@ class SimulatorApp:
                 # Refused by the request model, before the endpoint: in vLLM's plain error shape.
                 error = ApiError(400, "max_tokens: Field required", "Bad Request", "body.max_tokens")
                 return _json_response(error.body(), 400)
+            anthropic_salt_type(body.get("cache_salt"))
         except ApiError as exc:
             return _json_response(exc.body(), exc.status)
         try:
+            # Checked again as the chat-completions request it becomes, as vLLM does.
+            cache_salt = cache_salt_of(body)
             model, chat, choice, prompt = self._anthropic_prompt(body)
             chat["max_tokens"] = chat["max_completion_tokens"] = body["max_tokens"]
             self._check_length(prompt.ids)
@@ -563,6 +654,7 @@ class SimulatorApp:
             prompt_ids=prompt.ids,
             max_tokens=max_tokens,
             output_script=call.ids if call else None,
+            cache_salt=cache_salt,
         )
         if not body.get("stream"):
             async for _ in self.engine.generate(req):
@@ -810,14 +902,18 @@ class SimulatorApp:
         return text
 
     # --- helpers ----------------------------------------------------------------------------------------
-    def _usage(self, req: Request, chat: bool, *, null_details: bool) -> dict:
+    def _usage(self, reqs: list[Request], chat: bool, *, null_details: bool) -> dict:
         """Usage as vLLM reports it; without --enable-prompt-tokens-details the details are null (full
-        responses) or absent (stream chunks). Chat usage also counts the prompt tokens written to the cache."""
+        responses) or absent (stream chunks). Chat usage also counts the prompt tokens written to the cache.
+        With `n` choices the prompt counts once and the output of all of them; the cached part is what the
+        choices after the first found of the first's blocks (vLLM reports the most any choice found)."""
+        req = max(reqs, key=lambda r: r.cached_tokens)
         prompt = len(req.prompt_ids)
+        output = sum(len(r.output_ids) for r in reqs)
         usage = {
             "prompt_tokens": prompt,
-            "total_tokens": prompt + len(req.output_ids),
-            "completion_tokens": len(req.output_ids),
+            "total_tokens": prompt + output,
+            "completion_tokens": output,
         }
         if self.model.prompt_tokens_details:
             details: dict = {"cached_tokens": req.cached_tokens}
@@ -960,6 +1056,49 @@ class SimulatorApp:
                 value,
             )
         return min(value, limit - prompt_len)
+
+
+def _choices(body: dict) -> int:
+    """`n`: how many choices to generate (vLLM's default 1)."""
+    n = body.get("n")
+    if n is None:
+        return 1
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise _bad_param(f"n must be at least 1, got {n}.", "n", n)
+    return n
+
+
+async def _merged(generators: list) -> AsyncIterator[tuple[int, int]]:
+    """(index, token) from each generator as it comes; one generator is read directly."""
+    if len(generators) == 1:
+        async for token in generators[0]:
+            yield 0, token
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, generator) -> None:
+        try:
+            async for token in generator:
+                await queue.put((index, token, None))
+            await queue.put((index, None, None))
+        except Exception as exc:  # re-raised in the reader
+            await queue.put((index, None, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(generators)]
+    try:
+        running = len(tasks)
+        while running:
+            index, token, error = await queue.get()
+            if error is not None:
+                raise error
+            if token is None:
+                running -= 1
+            else:
+                yield index, token
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _tool_choice(body: dict):

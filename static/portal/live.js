@@ -9,15 +9,33 @@
   var state = document.getElementById("live-state");
   var columns = [["name", "Name"], ["rps", "Requests/s"], ["ttft_ms", "Mean TTFT ms"], ["input_tokens_per_s", "Input tok/s"],
     ["output_tokens_per_s", "Output tok/s"], ["prefix_hit_rate", "Prefix-hit rate"], ["errors", "Errors"], ["requests", "Requests"]];
-  function fmt(v) { return v === null || v === undefined ? "–" : String(v); }
-  function table(el, rows) {
-    var head = "<thead><tr>" + columns.map(function (c) { return "<th>" + c[1] + "</th>"; }).join("") + "</tr></thead>";
+  // Per deployment also flow control: saturated (by any router), and the requests waiting in the routers now.
+  var deploymentColumns = columns.concat([["saturated", "Saturated"], ["queued", "Queued"]]);
+  // Flow control per deployment, priority class and tenant: waiting now, and over the window.
+  var flowColumns = [["deployment", "Deployment"], ["priority_class", "Class"], ["tenant", "Tenant"], ["queued", "Queued"],
+    ["dispatches", "Dispatches"], ["rejected", "Rejected (429)"], ["wait_ms_mean", "Mean wait ms"], ["wait_ms_p90", "p90 wait ms"],
+    ["wait_ms_max", "Max wait ms"]];
+  function fmt(v) {
+    if (v === true) return "yes";
+    if (v === false) return "no";
+    return v === null || v === undefined ? "–" : String(v);
+  }
+  function table(el, rows, cols, empty) {
+    cols = cols || columns;
+    var head = "<thead><tr>" + cols.map(function (c) { return "<th>" + c[1] + "</th>"; }).join("") + "</tr></thead>";
     var body = rows.length ? rows.map(function (r) {
-      return "<tr>" + columns.map(function (c) {
+      return "<tr>" + cols.map(function (c) {
         var td = document.createElement("td"); td.textContent = fmt(r[c[0]]); td.dataset.col = c[0]; return td.outerHTML;
       }).join("") + "</tr>";
-    }).join("") : '<tr><td colspan="8">No traffic.</td></tr>';
+    }).join("") : '<tr><td colspan="' + cols.length + '">' + (empty || "No traffic.") + "</td></tr>";
     el.innerHTML = head + "<tbody>" + body + "</tbody>";
+  }
+  function flowRows(deployments) {
+    var rows = [];
+    deployments.forEach(function (d) {
+      (d.flow || []).forEach(function (f) { rows.push(Object.assign({deployment: d.name}, f)); });
+    });
+    return rows;
   }
   function connect() {
     var ws = new WebSocket(url);
@@ -32,7 +50,8 @@
         ["Requests", t.requests, "live-requests"]].map(function (k) {
         return '<div class="kpi"><b id="' + k[2] + '">' + fmt(k[1]) + "</b>" + k[0] + "</div>";
       }).join("") + "</div>";
-      table(document.getElementById("live-deployments"), s.deployments);
+      table(document.getElementById("live-deployments"), s.deployments, deploymentColumns);
+      table(document.getElementById("live-flow"), flowRows(s.deployments), flowColumns, "Nothing queued or prioritised.");
       table(document.getElementById("live-tenants"), s.tenants);
     };
   }

@@ -58,8 +58,12 @@ class ReportSerializer(serializers.Serializer):
     totals = ReportRowSerializer(many=True)
 
 
+PERIOD_OUT_OF_RANGE = "This period reaches beyond the years 1 to 9999: give a nearer day or times."
+
+
 def report_from_query(request, params) -> Report:
-    query = ReportQuerySerializer(data=params)
+    # A plain dict, so that an empty parameter (`?until=`) is refused like any other bad value, not skipped.
+    query = ReportQuerySerializer(data=params.dict())
     query.is_valid(raise_exception=True)
     q = query.validated_data
     try:
@@ -68,6 +72,8 @@ def report_from_query(request, params) -> Report:
         )
     except PeriodError as exc:
         raise ValidationError({"period": [str(exc)]}) from None
+    except (ValueError, OverflowError):  # the period's bounds fall outside the years 1 to 9999
+        raise ValidationError({"at": [PERIOD_OUT_OF_RANGE]}) from None
     return usage_report(
         access=access_of(request),
         period=period,
@@ -79,11 +85,21 @@ def report_from_query(request, params) -> Report:
     )
 
 
+# A spreadsheet reads a cell that starts with one of these as a formula (which can run commands or send the
+# sheet's data away). Key and team names are chosen by tenants, so such a cell is written as text instead.
+_FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def csv_cell(value: str) -> str:
+    """`value` as a spreadsheet shows it, never evaluates it: a leading quote marks a would-be formula as text."""
+    return "'" + value if value.startswith(_FORMULA_STARTS) else value
+
+
 def csv_response(report: Report) -> HttpResponse:
     response = HttpResponse(content_type="text/csv; charset=utf-8")
     name = f"usage-{report.group_by}-{report.period.start:%Y%m%d}-{report.period.end:%Y%m%d}.csv"
     response["Content-Disposition"] = f'attachment; filename="{name}"'
-    csv.writer(response).writerows(report_csv_rows(report))
+    csv.writer(response).writerows([csv_cell(cell) for cell in row] for row in report_csv_rows(report))
     return response
 
 
@@ -112,4 +128,12 @@ class UsageReportCsvView(APIView):
         return csv_response(report_from_query(request, request.query_params))
 
 
-__all__ = ["METRICS", "UsageReportCsvView", "UsageReportView", "csv_response", "report_from_query"]
+__all__ = [
+    "METRICS",
+    "PERIOD_OUT_OF_RANGE",
+    "UsageReportCsvView",
+    "UsageReportView",
+    "csv_cell",
+    "csv_response",
+    "report_from_query",
+]

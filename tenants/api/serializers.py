@@ -5,14 +5,18 @@ from django.utils import timezone
 from rest_framework import serializers
 
 from inference_platform.model_validation import ModelCleanMixin
+from serving.models import ModelDeployment
 
 from ..access import Access
+from ..entitlements import deployments_outside_team
 from ..models import (
     TEAM_ROLES,
     ApiKey,
     AuditLog,
     Membership,
+    ModelAlias,
     PriceSheet,
+    PriorityClass,
     Quota,
     Role,
     Scope,
@@ -26,18 +30,69 @@ def _access(serializer: serializers.Serializer) -> Access:
     return serializer.context["access"]
 
 
+class StrictBooleanField(serializers.BooleanField):
+    """JSON true or false only: not 0, 1 or "yes", which DRF would otherwise take."""
+
+    def to_internal_value(self, data):
+        if not isinstance(data, bool):
+            self.fail("invalid", input=data)
+        return data
+
+
+class DeploymentIdField(serializers.PrimaryKeyRelatedField):
+    """A deployment's id, as a JSON integer only (in a list too, where the type check of ModelCleanMixin does
+    not reach), with a 400 that names an id no deployment has."""
+
+    default_error_messages = {
+        **serializers.PrimaryKeyRelatedField.default_error_messages,
+        "does_not_exist": "No deployment has id {pk_value}.",
+    }
+
+    def __init__(self, **kwargs):
+        kwargs.setdefault("queryset", ModelDeployment.objects.all())
+        super().__init__(**kwargs)
+
+    def to_internal_value(self, data):
+        if isinstance(data, bool) or not isinstance(data, int):
+            self.fail("incorrect_type", data_type=type(data).__name__)
+        return super().to_internal_value(data)
+
+
+def _deployment_ids(help_text: str) -> serializers.ManyRelatedField:
+    return DeploymentIdField(many=True, required=False, help_text=help_text)
+
+
 class TenantSerializer(ModelCleanMixin, serializers.ModelSerializer):
+    is_active = StrictBooleanField(
+        required=False, help_text="Off: the tenant's people, tokens and API keys are refused everywhere."
+    )
+
     class Meta:
         model = Tenant
-        fields = ["id", "name", "slug", "is_active", "created_at"]
+        # A tenant is changed by operators only, so its weight and highest class are theirs to set.
+        fields = ["id", "name", "slug", "is_active", "fair_share_weight", "max_priority_class", "created_at"]
 
 
 class TeamSerializer(ModelCleanMixin, serializers.ModelSerializer):
     tenant = serializers.PrimaryKeyRelatedField(queryset=Tenant.objects.none())
+    deployments = _deployment_ids(
+        "Ids of the deployments the team may call when `restrict_models` is on. With it off the team may "
+        "call every model served."
+    )
 
     class Meta:
         model = Team
-        fields = ["id", "tenant", "name", "slug", "created_at"]
+        fields = [
+            "id",
+            "tenant",
+            "name",
+            "slug",
+            "priority_class",
+            "fair_share_weight",
+            "restrict_models",
+            "deployments",
+            "created_at",
+        ]
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -51,8 +106,17 @@ class TeamSerializer(ModelCleanMixin, serializers.ModelSerializer):
             self.fields["tenant"].read_only = True  # a team never moves between tenants
 
 
+class UsernameField(serializers.SlugRelatedField):
+    """A user by username. A name with a NUL character names no one (PostgreSQL cannot even compare it)."""
+
+    def to_internal_value(self, data):
+        if isinstance(data, str) and "\x00" in data:
+            self.fail("does_not_exist", slug_name=self.slug_field, value=data.replace("\x00", "\\0"))
+        return super().to_internal_value(data)
+
+
 class MembershipSerializer(ModelCleanMixin, serializers.ModelSerializer):
-    user = serializers.SlugRelatedField(slug_field="username", queryset=get_user_model().objects.all())
+    user = UsernameField(slug_field="username", queryset=get_user_model().objects.all())
     tenant = serializers.PrimaryKeyRelatedField(
         queryset=Tenant.objects.none(), required=False, allow_null=True
     )
@@ -112,7 +176,11 @@ class ApiKeySerializer(ModelCleanMixin, serializers.ModelSerializer):
     )
     prefix = serializers.CharField(read_only=True)
     is_active = serializers.BooleanField(read_only=True)
-    created_by = serializers.SlugRelatedField(slug_field="username", read_only=True)
+    # Empty for keys made by the system (bootstrap, tests) or whose maker's account was deleted.
+    created_by = serializers.SlugRelatedField(slug_field="username", read_only=True, allow_null=True)
+    deployments = _deployment_ids(
+        "Ids of deployments that narrow what the key may call, among its team's. Empty: all its team's."
+    )
 
     class Meta:
         model = ApiKey
@@ -122,6 +190,8 @@ class ApiKeySerializer(ModelCleanMixin, serializers.ModelSerializer):
             "name",
             "prefix",
             "scopes",
+            "priority_class",
+            "deployments",
             "expires_at",
             "revoked_at",
             "last_used_at",
@@ -145,6 +215,19 @@ class ApiKeySerializer(ModelCleanMixin, serializers.ModelSerializer):
         if value is not None and value <= timezone.now():
             raise serializers.ValidationError("Give a time in the future, or leave it empty for no expiry.")
         return value
+
+    def validate(self, attrs):
+        team = attrs.get("team", getattr(self.instance, "team", None))
+        outside = deployments_outside_team(team, attrs.get("deployments") or ()) if team else []
+        if outside:
+            names = ", ".join(sorted(d.served_model_name for d in outside))
+            raise serializers.ValidationError(
+                {
+                    "deployments": f"Team {team} may not call {names}: a key can only narrow its team's "
+                    "models. Ask a tenant admin to allow them for the team first."
+                }
+            )
+        return super().validate(attrs)
 
 
 class IssuedApiKeySerializer(ApiKeySerializer):
@@ -220,7 +303,30 @@ class PriceSheetSerializer(ModelCleanMixin, serializers.ModelSerializer):
         ]
 
 
+class ModelAliasSerializer(ModelCleanMixin, serializers.ModelSerializer):
+    tenant = serializers.PrimaryKeyRelatedField(queryset=Tenant.objects.none())
+    deployment = DeploymentIdField(help_text="The deployment the alias serves.")
+
+    class Meta:
+        model = ModelAlias
+        fields = ["id", "tenant", "name", "deployment", "created_at", "updated_at"]
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if "access" in self.context:
+            self.fields["tenant"].queryset = _access(self).manageable_tenants_qs()
+        if isinstance(self.instance, ModelAlias):
+            self.fields["tenant"].read_only = True  # an alias never moves between tenants
+
+
 class UsageRecordSerializer(serializers.ModelSerializer):
+    priority_class = serializers.ChoiceField(
+        choices=PriorityClass.choices,
+        allow_blank=True,
+        read_only=True,
+        help_text="The class it was served in; empty for requests metered before classes existed.",
+    )
+
     class Meta:
         model = UsageRecord
         fields = [
@@ -239,6 +345,8 @@ class UsageRecordSerializer(serializers.ModelSerializer):
             "ttft_ms",
             "latency_ms",
             "status",
+            "priority_class",
+            "queued_ms",
             "created_at",
         ]
         read_only_fields = fields

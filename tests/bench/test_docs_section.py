@@ -1,6 +1,6 @@
 """Benchmarks rewrite their marked sections of docs/benchmarks.md and leave the hand-written readings alone."""
 
-from docs_section import write_section
+from bench.docs_section import write_section
 
 
 def test_a_new_file_gets_the_chapter_and_the_section(tmp_path):

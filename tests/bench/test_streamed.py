@@ -3,8 +3,9 @@
 import asyncio
 
 import pytest
-import streamed
-from routing_workloads import Req
+
+from bench import streamed
+from bench.routing_workloads import Req
 
 from ..serving.engines import MODEL_NAME, start_engine
 

@@ -1,7 +1,7 @@
 """The routing benchmark's workloads and the reuse ceilings its targets are measured against."""
 
-import routing_workloads as wl
-from routing_workloads import Req
+from bench import routing_workloads as wl
+from bench.routing_workloads import Req
 
 BLOCK = 128  # engine block size; each id expands to 512 tokens, four blocks
 

@@ -4,7 +4,6 @@ schemas, with least-privilege RBAC for the orchestrator."""
 from __future__ import annotations
 
 import functools
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -17,9 +16,7 @@ from tests.deploy.validation import validate_objects
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 OVERLAYS = sorted(path.name for path in (DEPLOY / "overlays").iterdir() if path.is_dir())
 
-pytestmark = pytest.mark.skipif(
-    not shutil.which("kubectl"), reason="kubectl (with kustomize) is not installed"
-)
+pytestmark = pytest.mark.kubectl  # `make test` installs kubectl; without it these fail (tests/conftest.py)
 
 
 @functools.cache
@@ -33,12 +30,19 @@ def rendered(overlay: str) -> tuple[dict, ...]:
     return tuple(obj for obj in yaml.safe_load_all(run.stdout) if obj)
 
 
+WORKLOADS = ("Deployment", "StatefulSet", "Job")
+
+
 def find(objects, kind: str, name: str) -> dict:
     return next(obj for obj in objects if obj["kind"] == kind and obj["metadata"]["name"] == name)
 
 
+def workload(objects, name: str) -> dict:
+    return next(obj for obj in objects if obj["kind"] in WORKLOADS and obj["metadata"]["name"] == name)
+
+
 def command(objects, name: str) -> list[str]:
-    return find(objects, "Deployment", name)["spec"]["template"]["spec"]["containers"][0]["command"]
+    return workload(objects, name)["spec"]["template"]["spec"]["containers"][0]["command"]
 
 
 def test_there_are_dev_and_production_overlays():
@@ -53,7 +57,15 @@ def test_the_overlay_renders_valid_objects(overlay):
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_platform_process_runs_with_its_config_and_secrets(overlay):
     objects = rendered(overlay)
-    assert command(objects, "web")[:4] == ["python", "-m", "gunicorn", "inference_platform.wsgi"]
+    # The web side is ASGI (uvicorn workers): it serves the portal's WebSocket, which the router must not.
+    assert command(objects, "web")[:6] == [
+        "python",
+        "-m",
+        "gunicorn",
+        "inference_platform.web_asgi:application",
+        "--worker-class",
+        "uvicorn_worker.UvicornWorker",
+    ]
     assert command(objects, "router")[:4] == [
         "python",
         "-m",
@@ -66,9 +78,17 @@ def test_every_platform_process_runs_with_its_config_and_secrets(overlay):
     assert job["command"] == ["python", "manage.py", "migrate", "--no-input"]
     assert find(objects, "Deployment", "beat")["spec"]["replicas"] == 1
     hpa = find(objects, "HorizontalPodAutoscaler", "router")
-    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "router"}
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "router"}
+    router = find(objects, "StatefulSet", "router")["spec"]
+    journal = {env["name"]: env["value"] for env in router["template"]["spec"]["containers"][0]["env"]}
+    claimed = {
+        mount["mountPath"]
+        for mount in router["template"]["spec"]["containers"][0]["volumeMounts"]
+        if mount["name"] in {claim["metadata"]["name"] for claim in router["volumeClaimTemplates"]}
+    }
+    assert [path for path in claimed if journal["ROUTER_USAGE_JOURNAL_DIR"].startswith(path + "/")]
     for name in ("web", "router", "worker", "beat", "kv-ingester"):
-        container = find(objects, "Deployment", name)["spec"]["template"]["spec"]["containers"][0]
+        container = workload(objects, name)["spec"]["template"]["spec"]["containers"][0]
         sources = {next(iter(ref.values()))["name"] for ref in container["envFrom"]}
         assert sources == {"platform-config", "platform-secrets"}
     if overlay == "dev":
@@ -86,7 +106,7 @@ def test_only_the_worker_may_use_the_api_and_only_for_what_the_orchestrator_mana
     accounts = {
         obj["metadata"]["name"]: obj["spec"]["template"]["spec"]["serviceAccountName"]
         for obj in objects
-        if obj["kind"] == "Deployment"
+        if obj["kind"] in ("Deployment", "StatefulSet")
     }
     assert accounts.pop("worker") == "orchestrator" and set(accounts.values()) == {"platform"}
     assert find(objects, "ServiceAccount", "platform")["automountServiceAccountToken"] is False
@@ -108,7 +128,53 @@ def test_only_the_worker_may_use_the_api_and_only_for_what_the_orchestrator_mana
         ("" if api_version == "v1" else api_version.split("/")[0], kube_api.PLURALS[kind])
         for api_version, kind in kube_render.MANAGED_KINDS
     }
-    writable = {key for key, verbs in granted.items() if verbs & {"create", "patch", "delete"}}
+    writable = {key for key, verbs in granted.items() if verbs & {"create", "delete"}}
     assert writable == managed
-    assert granted[("", "pods")] == {"get", "list"}
+    # Pods are only read, and patched for the deletion cost of a replica being drained.
+    assert granted[("", "pods")] == {"get", "list", "patch"}
     assert set(granted) == managed | {("", "pods")}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_engines_namespaces_refuse_every_ingress_no_policy_allows(overlay):
+    objects = rendered(overlay)
+    config = find(objects, "ConfigMap", "platform-config")["data"]
+    policies = {
+        obj["metadata"]["namespace"]: obj["spec"] for obj in objects if obj["kind"] == "NetworkPolicy"
+    }
+    for namespace in config["KUBERNETES_NAMESPACES"].split(","):
+        assert policies[namespace] == {"podSelector": {}, "policyTypes": ["Ingress"]}
+
+
+def _selected(objects, peer: dict) -> list[str]:
+    """The platform workloads whose pods a NetworkPolicy peer (namespace and pod selector) lets in."""
+    namespace = peer["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"]
+    wanted = peer["podSelector"]["matchLabels"].items()
+    return [
+        obj["metadata"]["name"]
+        for obj in objects
+        if obj["kind"] in WORKLOADS
+        and obj["metadata"]["namespace"] == namespace
+        and wanted <= obj["spec"]["template"]["metadata"]["labels"].items()
+    ]
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_an_engines_policy_lets_in_exactly_the_router_worker_and_ingester_pods_of_the_overlay(overlay):
+    """The labels and namespace kube_render names are the ones these manifests give those pods."""
+    from serving.models import KvConnector, ModelDeployment, OrchestratorKind, Pool
+
+    objects = rendered(overlay)
+    deployment = ModelDeployment.objects.create(
+        name="qwen",
+        served_model_name="qwen",
+        model_source="Qwen/Qwen3-8B",
+        orchestrator=OrchestratorKind.KUBERNETES,
+    )
+    Pool.objects.create(deployment=deployment, name="main", kv_connector=KvConnector.NIXL)
+    http, events, _own = kube_render.render_network_policy(deployment, None)["spec"]["ingress"]
+    assert [_selected(objects, peer) for peer in http["from"]] == [["router"], ["worker"]]
+    assert [_selected(objects, peer) for peer in events["from"]] == [["kv-ingester"]]
+    namespaces = {obj["metadata"]["name"] for obj in objects if obj["kind"] == "Namespace"}
+    assert kube_render.platform_namespace() in namespaces

@@ -15,7 +15,15 @@ import yaml
 
 KUBERNETES_VERSION = "1.37.0"  # the newest that kubernetes-validate 1.37 ships
 CRD_DIR = Path(__file__).resolve().parents[2] / "deploy" / "crds"
-BUILT_IN_GROUPS = {"v1", "apps/v1", "batch/v1", "autoscaling/v2", "rbac.authorization.k8s.io/v1", "policy/v1"}
+BUILT_IN_GROUPS = {
+    "v1",
+    "apps/v1",
+    "batch/v1",
+    "autoscaling/v2",
+    "rbac.authorization.k8s.io/v1",
+    "policy/v1",
+    "networking.k8s.io/v1",
+}
 
 
 def _strict(schema):

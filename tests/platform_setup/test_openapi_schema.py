@@ -15,6 +15,7 @@ def test_it_serves_a_valid_openapi_3_schema(world, client_for):
         "/api/keys/{id}/revoke/",
         "/api/quotas/",
         "/api/price-sheets/",
+        "/api/model-aliases/",
         "/api/deployments/",
         "/api/routing-policies/",
         "/api/usage/",

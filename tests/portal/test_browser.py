@@ -1,13 +1,14 @@
 """The portal in headless Chromium (Debian's package, driven by Playwright), against a real server.
 
-The server is uvicorn in a thread of this process, serving the Django pages and the live-traffic WebSocket
-over the test database. Screenshots go to test-output/.
+The server is uvicorn in a thread of this process, serving the web side's application (the Django pages and
+the live-traffic WebSocket, inference_platform/web_asgi.py) over the test database. Screenshots go to test-output/.
 """
 
 from __future__ import annotations
 
 import csv
 import io
+import json
 import socket
 import threading
 import time
@@ -19,6 +20,7 @@ import pytest
 from django.db import connections
 from django.utils import timezone
 
+from portal.live import QUEUE_KEY
 from serving.models import Endpoint, Health, ModelDeployment, ObservedStatus, Pool
 from tenants.usage_stream import stream_key, usage_redis
 
@@ -33,22 +35,19 @@ OUTPUT = Path(__file__).resolve().parents[2] / "test-output"
 def server(transactional_db, monkeypatch, settings):
     """The portal's pages and WebSocket at http://127.0.0.1:<port>."""
     import uvicorn
-    from channels.routing import ProtocolTypeRouter
     from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler
     from django.core.asgi import get_asgi_application
 
-    from portal.routing import websocket_application
+    from inference_platform.web_asgi import web_application
 
     # Playwright's sync API runs an event loop in this thread; the ORM calls here are still sequential.
     monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
     # The server's threads close their connections after each request, so the test database can be dropped.
     monkeypatch.setitem(connections.settings["default"], "CONN_MAX_AGE", 0)
     settings.USAGE_STREAM = "usage:test-browser"
-    settings.PORTAL_LIVE_WEBSOCKET_URL = ""  # pages and WebSocket from one server here
     usage_redis().delete(stream_key())
-    app = ProtocolTypeRouter(
-        {"http": ASGIStaticFilesHandler(get_asgi_application()), "websocket": websocket_application()}
-    )
+    # The web side's application, as gunicorn's uvicorn workers serve it; static files from the app folders here.
+    app = web_application(ASGIStaticFilesHandler(get_asgi_application()))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -162,9 +161,27 @@ def test_operator_signs_in_creates_a_key_runs_a_report_and_watches_live_traffic(
     page.wait_for_function("document.getElementById('live-state').textContent === 'live'")
     page.wait_for_selector("#live-requests")
     before = int(page.locator("#live-requests").inner_text())
+    # Flow control: a router's queue for the deployment, and requests that waited in it.
+    queue_key = QUEUE_KEY.format(world.deployment.pk)
+    # Dated a minute ahead, so that it stays fresh (under 3 s old) while the page polls.
+    state = {"at": time.time() + 60, "saturated": True, "queued": [["interactive", world.tenant_a.pk, 3]]}
+    usage_redis().hset(queue_key, "router-1", json.dumps(state))
     for n in range(5):
-        emit(world, f"flow-{n}", status="failed" if n == 4 else "completed")
+        emit(
+            world,
+            f"flow-{n}",
+            status="failed" if n == 4 else "completed",
+            priority_class="interactive",
+            queued_ms=100 * n,
+        )
     page.wait_for_function(f"Number(document.getElementById('live-requests').textContent) >= {before + 5}")
     assert page.locator("#live-errors").inner_text() == "1"
     assert page.locator("#live-deployments td[data-col=name]", has_text="tiny").count() == 1
+    assert page.locator("#live-deployments td[data-col=queued]", has_text="3").count() == 1
+    flow = page.locator("#live-flow tbody tr", has_text="interactive")
+    assert flow.locator("td[data-col=tenant]").inner_text() == "acme"
+    assert flow.locator("td[data-col=queued]").inner_text() == "3"
+    assert flow.locator("td[data-col=dispatches]").inner_text() == "5"
+    assert flow.locator("td[data-col=wait_ms_max]").inner_text() == "400"
+    usage_redis().delete(queue_key)
     page.screenshot(path=OUTPUT / "portal-live.png", full_page=True)

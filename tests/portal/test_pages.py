@@ -12,7 +12,7 @@ from django.test import Client
 from django.utils import timezone
 
 from portal.models import AcceleratorPrice
-from serving.models import ModelDeployment, Pool
+from serving.models import EndpointLifetime, ModelDeployment, Pool
 from tenants.keys import api_key_verify
 from tenants.models import ApiKey, AuditLog
 
@@ -168,6 +168,23 @@ def test_cost_to_serve_shows_every_input(world, browser):
         accelerator="nvidia-h100-80gb", defaults={"price_per_gpu_hour": Decimal("2.5")}
     )
     day = (timezone.now() - timedelta(days=2)).date()
+    midnight = datetime(day.year, day.month, day.day, tzinfo=UTC)
+    # What ran: one engine all day (and on), one for the day's first six hours, one before the day only.
+    for name, start, stop in (
+        ("e0", midnight - timedelta(days=1), None),
+        ("e1", midnight, midnight + timedelta(hours=6)),
+        ("e2", midnight - timedelta(hours=5), midnight),
+    ):
+        EndpointLifetime.objects.create(
+            pool=pool,
+            deployment_name=world.deployment.name,
+            pool_name=pool.name,
+            endpoint_name=name,
+            accelerator="nvidia-h100-80gb",
+            gpus=1,
+            started_at=start,
+            stopped_at=stop,
+        )
     for n in range(4):
         make_usage(
             world.key_a1,
@@ -180,7 +197,9 @@ def test_cost_to_serve_shows_every_input(world, browser):
         {"period": "day", "at": day.isoformat(), "group_by": "deployment"},
     )
     cost = page.context["cost"]
-    assert cost.gpu_cost == Decimal("2.5") * 2 * 24  # two replicas of one GPU for a whole day
+    assert cost.gpu_cost == Decimal("2.5") * (24 + 6)  # the GPU-hours that ran in the day, not replicas x 24
+    [row] = cost.pools
+    assert (row.engines, row.gpu_hours) == (2, Decimal(30))
     assert (cost.fresh_input_tokens, cost.cached_input_tokens, cost.output_tokens) == (1600, 2400, 200)
     # The weights are the list sheet's prices: 0.5, 0.05, 1.5 per Mtok.
     weighted = (
@@ -219,3 +238,42 @@ def test_the_deployment_page_flags_blind_prefix_routing(world, browser):
     assert (
         "image: 3" in page and "Endpoint 12 cannot be indexed: the engine stores blocks of 16 tokens" in page
     )
+
+
+def test_the_deployment_page_charts_autoscaling_and_lists_scaling_events(world, browser):
+    """Replicas beside the signals that drove them and the latency p90s against their objectives, from the
+    autoscaler's passes as it records them in Redis, and the recent scaling events with their reasons."""
+    import json
+
+    import redis
+    from django.conf import settings
+
+    from serving.autoscaling import HISTORY_KEY
+    from serving.models import AutoscalingPolicy, ScalingEvent
+
+    pool = world.deployment.pools.get()
+    AutoscalingPolicy.objects.create(
+        pool=pool, enabled=True, max_replicas=6, ttft_p90_s=1.5, running_requests_per_replica=8
+    )
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    key = HISTORY_KEY.format(pool.pk)
+    client.delete(key)
+    for i, (replicas, running, ttft) in enumerate([(1, 4, 0.4), (2, 14, 2.1), (3, 20, 1.2)]):
+        sample = {"t": 1000.0 + 5 * i, "replicas": replicas, "ready": replicas, "running_requests": running}
+        client.lpush(key, json.dumps({**sample, "ttft_p90_s": ttft}))
+    ScalingEvent.objects.create(
+        pool=pool,
+        from_replicas=1,
+        to_replicas=3,
+        signals={"running_requests": 20},
+        reason="running_requests_per_replica asks for 3",
+    )
+    try:
+        html = browser(world.operator).get(f"/portal/deployments/{world.deployment.pk}/").content.decode()
+    finally:
+        client.delete(key)
+    assert f"{pool.name}: on, 1 to 6 replicas" in html
+    assert 'aria-label="main: replicas and the signals that drove them"' in html
+    assert 'aria-label="TTFT p90"' in html and "<title>objective 1.5 s</title>" in html
+    assert "Inter-token latency p90" not in html  # no ITL objective set
+    assert "1 → 3" in html and "running_requests_per_replica asks for 3" in html

@@ -1,8 +1,8 @@
-"""Under a quota, a precise request's prefix-index lookup is in Redis while its quota check is, not after it.
+"""Only an admitted request is tokenized and looked up in the prefix index: the quota check comes first, and a
+request the quota refuses costs the router no tokenizer time and Redis no index lookup.
 
-No mock: the router talks to the real Redis through a byte relay that holds the quota check's script call until
-the index lookup's script call has come through as well. Sent in parallel, the check is released at once; sent
-one after the other, it waits out the relay's patience and the relay counts it.
+No mock: the router talks to the real Redis through a byte relay that records, in order, which of the scripts
+of interest each command it forwards calls.
 """
 
 from __future__ import annotations
@@ -27,26 +27,21 @@ def sha(script: str) -> bytes:
     return hashlib.sha1(script.encode()).hexdigest().encode()  # what redis-py's EVALSHA sends
 
 
-class GatingRelay:
-    """Relays every connection to Redis; a command carrying `hold` waits until one carrying any of `until` has
-    been seen (or `patience` seconds), and `waited_alone` counts those that waited the patience out."""
+class RecordingRelay:
+    """Relays every connection to Redis, and appends to `seen` the name of each marked script a command calls."""
 
-    def __init__(self, target: tuple[str, int], hold: bytes, until: tuple[bytes, ...], patience: float):
-        self.target, self.hold, self.until, self.patience = target, hold, until, patience
-        self.held = 0
-        self.waited_alone = 0
+    def __init__(self, target: tuple[str, int], marks: dict[bytes, str]):
+        self.target, self.marks = target, marks
+        self.seen: list[str] = []
         self.loop = asyncio.new_event_loop()
-        self._seen = asyncio.Event()
         self.server = self.loop.run_until_complete(asyncio.start_server(self._serve, "127.0.0.1", 0))
         self.port = self.server.sockets[0].getsockname()[1]
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
 
-    def rearm(self) -> None:
-        async def clear() -> None:
-            self._seen.clear()
-
-        asyncio.run_coroutine_threadsafe(clear(), self.loop).result(timeout=5)
+    def take(self) -> list[str]:
+        seen, self.seen = self.seen, []
+        return seen
 
     async def _serve(self, client_in: asyncio.StreamReader, client_out: asyncio.StreamWriter) -> None:
         server_in, server_out = await asyncio.open_connection(*self.target)
@@ -59,14 +54,7 @@ class GatingRelay:
         try:
             while chunk := await reader.read(65536):
                 if outbound:
-                    if any(mark in chunk for mark in self.until):
-                        self._seen.set()
-                    if self.hold in chunk:
-                        self.held += 1
-                        try:
-                            await asyncio.wait_for(self._seen.wait(), self.patience)
-                        except TimeoutError:
-                            self.waited_alone += 1
+                    self.seen.extend(name for mark, name in self.marks.items() if mark in chunk)
                 writer.write(chunk)
                 await writer.drain()
         except ConnectionError:
@@ -89,34 +77,30 @@ def ask(fleet, text: str) -> httpx.Response:
     )
 
 
-def test_under_a_quota_the_index_lookup_runs_alongside_the_quota_check(transactional_db, sim_pair):
+def test_the_quota_check_comes_first_and_a_refused_request_is_never_looked_up(transactional_db, sim_pair):
     redis = urlsplit(settings.REDIS_URL)
-    relay = GatingRelay(
+    relay = RecordingRelay(
         (redis.hostname, redis.port),
-        hold=sha(ADMIT),
-        until=(sha(LOOKUP_WALK), sha(LOOKUP_BISECT)),
-        patience=2.0,
+        {sha(ADMIT): "admit", sha(LOOKUP_WALK): "lookup", sha(LOOKUP_BISECT): "lookup"},
     )
     router = start_router({"REDIS_URL": f"redis://127.0.0.1:{relay.port}{redis.path or '/0'}"})
     try:
         fleet = make_fleet(router, sim_pair)
-        policy = RoutingPolicy.objects.create(deployment=fleet.deployment, mode="precise")
-        set_quota(fleet, requests_per_minute=100)
+        RoutingPolicy.objects.create(deployment=fleet.deployment, mode="precise")
+        set_quota(fleet, input_tokens_per_minute=5000)
         prompt = "Summarise the repository's build steps. " * 40
+        relay.take()
 
         for text in (prompt, prompt + "And its tests."):
-            relay.rearm()
             assert ask(fleet, text).status_code == 200
-        assert relay.held >= 2  # the quota check went through the relay, once per request at least
-        assert relay.waited_alone == 0, router.log()[-2000:]
+            seen = relay.take()
+            assert seen[:1] == ["admit"] and "lookup" in seen, seen
 
-        # The relay does catch a quota check sent alone: approximate routing asks Redis nothing else.
-        policy.mode = "approximate"
-        policy.save()
-        fleet.sync()
-        relay.rearm()
-        assert ask(fleet, prompt + "And its linters.").status_code == 200
-        assert relay.waited_alone == 1
+        refused = ask(
+            fleet, prompt * 4
+        )  # its bound (bytes of text, over 6000) alone is over the minute's tokens
+        assert refused.status_code == 429, refused.text
+        assert relay.take() == ["admit"]  # checked, refused, and never tokenized nor looked up
     finally:
         router.stop()
         relay.close()

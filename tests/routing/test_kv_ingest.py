@@ -168,18 +168,21 @@ def prompt(blocks: int, seed: int) -> list[int]:
     return [rng.randrange(100, 1000) for _ in range(blocks * BLOCK + 7)]
 
 
-def complete(engine: RunningEngine, tokens: list[int]) -> None:
+def complete(engine: RunningEngine, tokens: list[int], **extra) -> None:
     response = httpx.post(
         f"{engine.url}/v1/completions",
-        json={"model": MODEL_NAME, "prompt": tokens, "max_tokens": 1},
+        json={"model": MODEL_NAME, "prompt": tokens, "max_tokens": 1, **extra},
         timeout=120,
     )
     assert response.status_code == 200, response.text
 
 
-def lookup(client: redis.Redis, deployment: ModelDeployment, tokens: list[int]) -> dict[int, tuple]:
-    """Per endpoint, (gpu, cpu, speculative) leading blocks held, by the router's exact lookup script."""
-    keys = hex_keys(block_keys(tokens, BLOCK, SEED))
+def lookup(
+    client: redis.Redis, deployment: ModelDeployment, tokens: list[int], salt: str | None = None
+) -> dict[int, tuple]:
+    """Per endpoint, (gpu, cpu, speculative) leading blocks held, by the router's exact lookup script, for a
+    prompt keyed as the router keys it with the tenant's cache salt `salt`."""
+    keys = hex_keys(block_keys(tokens, BLOCK, chain_seed(MODEL_NAME, cache_salt=salt)))
     flat = client.register_script(LOOKUP_WALK)(args=[f"px:{deployment.id}:", "".join(keys)])
     return {int(flat[i]): tuple(int(v) for v in flat[i + 1 : i + 4]) for i in range(0, len(flat), 4)}
 
@@ -193,8 +196,8 @@ def wait_for(condition, timeout: float = 10.0, message: str = "condition") -> No
     raise AssertionError(f"timed out waiting for {message}")
 
 
-def held(client, deployment, tokens, endpoint) -> tuple | None:
-    return lookup(client, deployment, tokens).get(endpoint.id)
+def held(client, deployment, tokens, endpoint, salt: str | None = None) -> tuple | None:
+    return lookup(client, deployment, tokens, salt).get(endpoint.id)
 
 
 def test_it_indexes_stored_blocks_under_router_keys(r, deployment, ingester, engines):
@@ -426,3 +429,68 @@ def test_events_published_for_another_model_are_flagged(r, deployment, sim_engin
     ingester._report_mismatch(source)
     assert b"other-model" in r.hget(f"prefix:blind:{deployment.id}", "79")
     ingester.close()
+
+
+# --- cache salts ----------------------------------------------------------------------------------------------
+def test_salted_blocks_are_indexed_under_the_salted_router_keys(r, deployment, ingester, engines):
+    """vLLM names the salt in the extra keys of a chain's first block: the index holds the blocks under the keys
+    the router computes for that tenant's prompts, and under no other tenant's (or unsalted) keys."""
+    engine = engines()
+    endpoint = add_endpoint(deployment, engine)
+    running = ingester()
+    running.following(endpoint)
+    tokens = prompt(3, seed=20)
+    complete(engine, tokens, cache_salt="tenant-a")
+    wait_for(lambda: held(r, deployment, tokens, endpoint, "tenant-a") == (3, 0, 0), message="salted blocks")
+    assert held(r, deployment, tokens, endpoint, "tenant-b") is None
+    assert held(r, deployment, tokens, endpoint) is None
+    # A later block chains from the salted parent (its event names no salt).
+    grown = tokens[: 3 * BLOCK] + prompt(1, seed=21)
+    complete(engine, grown, cache_salt="tenant-a")
+    wait_for(
+        lambda: held(r, deployment, grown, endpoint, "tenant-a") == (4, 0, 0), message="the grown prompt"
+    )
+    # The same tokens under another salt are other blocks, side by side.
+    complete(engine, tokens, cache_salt="tenant-b")
+    wait_for(lambda: held(r, deployment, tokens, endpoint, "tenant-b") == (3, 0, 0), message="tenant b's")
+    assert r.hlen(f"pxe:{endpoint.id}") == 7
+
+
+def test_a_salted_block_keeps_its_key_in_the_cpu_tier(r, deployment, ingester, engines):
+    """The CPU tier's events carry no extra keys: its copy of a salted first block is known by the engine hash
+    of the GPU copy, so when the GPU evicts it the index still finds it, in the CPU tier, under the salted key."""
+    engine = engines("--num-gpu-blocks-override", "6", "--cpu-offload-blocks", "16")
+    endpoint = add_endpoint(deployment, engine)
+    running = ingester()
+    running.following(endpoint)
+    tokens = prompt(2, seed=22)
+    complete(engine, tokens, cache_salt="tenant-a")
+    wait_for(lambda: held(r, deployment, tokens, endpoint, "tenant-a") == (2, 0, 0), message="on the GPU")
+    for seed in (23, 24):  # six GPU blocks: these evict the salted ones from the GPU
+        complete(engine, prompt(3, seed=seed), cache_salt="tenant-a")
+    wait_for(
+        lambda: held(r, deployment, tokens, endpoint, "tenant-a") == (0, 2, 0), message="in the CPU tier"
+    )
+    assert held(r, deployment, tokens, endpoint) is None
+
+
+def test_vllm_salted_events_land_under_the_same_router_keys_as_the_simulator(
+    r, deployment, ingester, engines, vllm_engine
+):
+    sim = engines()
+    sim_endpoint, vllm_endpoint = add_endpoint(deployment, sim), add_endpoint(deployment, vllm_engine)
+    running = ingester()
+    running.following(sim_endpoint)
+    running.following(vllm_endpoint)
+    tokens = prompt(2, seed=25)
+    complete(sim, tokens, cache_salt="tenant-a")
+    complete(vllm_engine, tokens, cache_salt="tenant-a")
+    wait_for(
+        lambda: (
+            lookup(r, deployment, tokens, "tenant-a")
+            == {sim_endpoint.id: (2, 0, 0), vllm_endpoint.id: (2, 0, 0)}
+        ),
+        timeout=30,
+        message="both engines' salted blocks under the same router keys",
+    )
+    assert lookup(r, deployment, tokens) == {}

@@ -8,10 +8,12 @@ import time
 
 from django.conf import settings
 
-from routing.app import REPLICA_LOAD_KEY, REPLICA_LOAD_MAX_AGE_S, Router, others_load
-from routing.pipeline import Candidate, EndpointLoad, load_guard
+from routing.app import Router
+from routing.load import REPLICA_LOAD_KEY, REPLICA_LOAD_MAX_AGE_S, EndpointLoad, others_load
+from routing.pipeline import Candidate
 from routing.redis_pool import router_redis
 from routing.state import DeploymentInfo, EndpointInfo, PolicyInfo, Snapshot
+from routing.steps import load_guard
 
 
 def snapshot() -> Snapshot:

@@ -5,18 +5,13 @@ from __future__ import annotations
 import time
 from collections import Counter
 
-from routing.pipeline import (
-    RECENT_WINDOW_S,
-    Candidate,
-    EndpointLoad,
-    Pipeline,
-    RequestContext,
-    distinct_shares,
-    prefill_ahead,
-    request_weight,
-)
+from routing.load import RECENT_WINDOW_S, EndpointLoad
+from routing.picker import prefill_ahead
+from routing.pipeline import Candidate, Pipeline, RequestContext
 from routing.prefix_index import Held
+from routing.scorers.prefix_match import distinct_shares
 from routing.state import DeploymentInfo, EndpointInfo, PolicyInfo
+from routing.steps import request_weight
 
 
 def deployment(count: int, mode: str = "precise") -> DeploymentInfo:

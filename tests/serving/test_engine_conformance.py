@@ -104,6 +104,49 @@ def test_it_streams_without_usage_unless_asked(engine):
     assert events[-2]["choices"][0]["finish_reason"] == "length"
 
 
+def test_n_choices_share_the_prompt_and_add_up_their_output(engine):
+    """`n` choices: the prompt counts once, the output of every choice adds up, and each choice ends on its own.
+    On a fresh prompt the second choice finds the first's whole blocks cached, and that is what is reported."""
+    prompt = [t + 7 for t in PROMPT_IDS]  # unlike any other test's prompt
+    with engine.client() as client:
+        body = client.post(
+            "/v1/completions",
+            json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": 3, "ignore_eos": True, "n": 2},
+        ).json()
+    assert [(c["index"], c["finish_reason"]) for c in body["choices"]] == [(0, "length"), (1, "length")]
+    usage = body["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (len(prompt), 6)
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 3 * 128
+
+
+def test_n_choices_stream_each_with_its_own_running_usage(engine):
+    request = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": "Write a sorting function, twice."}],
+        "max_tokens": 3,
+        "ignore_eos": True,
+        "n": 2,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    with engine.client() as client, client.stream("POST", "/v1/chat/completions", json=request) as response:
+        events = sse_events(response)
+    assert events[-1] == "[DONE]"
+    chunks = [c for c in events[:-1] if c["choices"]]
+    roles = [c["choices"][0]["index"] for c in chunks if c["choices"][0]["delta"].get("role")]
+    assert roles == [0, 1]
+    for index in (0, 1):
+        own = [c for c in chunks if c["choices"][0]["index"] == index]
+        counts = [c["usage"]["completion_tokens"] for c in own]
+        # Its own count, not the sum (vLLM may fold two of a choice's tokens into one chunk).
+        assert counts[0] == 0 and counts[-1] == 3 and counts == sorted(set(counts))
+        assert own[-1]["choices"][0]["finish_reason"] == "length"
+    assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == 6
+    with engine.client() as client:
+        refused = client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "x", "n": 0})
+    assert refused.status_code == 400
+
+
 def test_it_reports_prefix_cache_hits_on_a_repeated_prefix(engine):
     before = engine.metrics()
     prompt = [t + 1 for t in PROMPT_IDS]  # unlike any other test's prompt
@@ -594,3 +637,153 @@ def test_the_two_engines_tokenize_a_tool_conversation_alike(sim_engine, vllm_eng
         for e in (sim_engine, vllm_engine)
     ]
     assert counts[0] == counts[1] and counts[0]["input_tokens"] > 100
+
+
+# --- cache salts: one tenant's prompts never hit another tenant's cached blocks --------------------------------
+def salted_body(path: str, context: str, salt: str | None) -> dict:
+    """A request on `path` whose prompt starts with `context` (several 128-token blocks)."""
+    messages = [{"role": "system", "content": context}, {"role": "user", "content": "Go on."}]
+    body = {
+        "/v1/completions": {"prompt": context, "max_tokens": 1},
+        "/v1/chat/completions": {"messages": messages, "max_tokens": 1},
+        "/v1/messages": {"system": context, "messages": messages[1:], "max_tokens": 1},
+        "/v1/responses": {"input": messages, "max_output_tokens": 1},
+    }[path]
+    return {"model": MODEL_NAME, **body, **({"cache_salt": salt} if salt else {})}
+
+
+def cached_tokens(path: str, usage: dict) -> int:
+    if path == "/v1/messages":
+        return usage["cache_read_input_tokens"]
+    if path == "/v1/responses":
+        return usage["input_tokens_details"]["cached_tokens"]
+    return usage["prompt_tokens_details"]["cached_tokens"]
+
+
+SALTED_ROUTES = ["/v1/completions", "/v1/chat/completions", "/v1/messages"]
+
+
+@pytest.mark.parametrize("path", SALTED_ROUTES)
+def test_a_cache_salt_keeps_its_prefix_cache_apart(engine, path):
+    context = f"Salted {path}. " + "The repository has many modules and a long history. " * 40
+    seen = []
+    with engine.client() as client:
+        for salt in ("tenant-a", "tenant-b", "tenant-a", None, "tenant-b"):
+            response = client.post(path, json=salted_body(path, context, salt))
+            assert response.status_code == 200, response.text
+            seen.append(cached_tokens(path, response.json()["usage"]))
+    # Another salt, and no salt, find nothing of the first one's blocks; the same salt finds them all.
+    assert seen[0] == seen[1] == seen[3] == 0
+    assert seen[2] == seen[4] > 0 and seen[2] % 128 == 0
+
+
+def test_vllm_takes_a_cache_salt_on_the_responses_api(vllm_engine):
+    """The simulator does not serve /v1/responses; vLLM salts it as it salts the other routes."""
+    path = "/v1/responses"
+    context = "Salted responses. " + "The repository has many modules and a long history. " * 40
+    seen = []
+    with vllm_engine.client() as client:
+        for salt in ("tenant-a", "tenant-b", "tenant-a"):
+            response = client.post(path, json=salted_body(path, context, salt))
+            assert response.status_code == 200, response.text
+            seen.append(cached_tokens(path, response.json()["usage"]))
+    assert seen[0] == seen[1] == 0 and seen[2] > 0
+
+
+def test_salted_blocks_are_announced_with_their_salt(engine):
+    """vLLM puts the salt in the extra keys of the first block only: later blocks chain from its hash."""
+    subscriber = EventSubscriber(engine.events_endpoint)
+    prompt = [t + 4 for t in PROMPT_IDS]
+    try:
+        with engine.client() as client:
+            for body in (
+                {"prompt": prompt, "cache_salt": "tenant-a"},
+                {"prompt": prompt + PROMPT_IDS[:256], "cache_salt": "tenant-a"},
+                {"prompt": prompt},
+            ):
+                client.post("/v1/completions", json={"model": MODEL_NAME, "max_tokens": 1, **body})
+        messages = subscriber.messages(
+            until=lambda got: sum(e["type"] == "BlockStored" for e in events_of(got)) >= 3
+        )
+    finally:
+        subscriber.close()
+    salted, grown, plain = (e for e in events_of(messages) if e["type"] == "BlockStored")
+    assert salted["parent_block_hash"] is None and salted["extra_keys"] == [["tenant-a"], None, None]
+    assert grown["parent_block_hash"] == salted["block_hashes"][-1] and grown["extra_keys"] == [None] * 2
+    assert plain["extra_keys"] == [None] * 3
+    assert set(plain["block_hashes"]).isdisjoint(salted["block_hashes"])
+
+
+def test_the_two_engines_hash_salted_blocks_alike(sim_engine, vllm_engine):
+    prompt = [t + 5 for t in PROMPT_IDS]
+    hashes = []
+    for engine in (sim_engine, vllm_engine):
+        subscriber = EventSubscriber(engine.events_endpoint)
+        try:
+            httpx.post(
+                f"{engine.url}/v1/completions",
+                json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": 1, "cache_salt": "tenant-a"},
+                timeout=60,
+            )
+            messages = subscriber.messages(
+                until=lambda got: any(e["type"] == "BlockStored" for e in events_of(got))
+            )
+        finally:
+            subscriber.close()
+        hashes.append(next(e for e in events_of(messages) if e["type"] == "BlockStored")["block_hashes"])
+    assert hashes[0] == hashes[1]
+
+
+SALT_RULE = (
+    "Parameter 'cache_salt' must be at most 128 characters and must not contain '@', '/', '\\\\', or NUL."
+)
+
+
+@pytest.mark.parametrize(
+    "salt, message",
+    [
+        ("", "Parameter 'cache_salt' must be a non-empty string if provided."),
+        (7, "Parameter 'cache_salt' must be a non-empty string if provided."),
+        ("tenant/a", SALT_RULE),
+        ("x" * 129, SALT_RULE),
+    ],
+    ids=["empty", "not-a-string", "a-slash", "too-long"],
+)
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_it_refuses_a_malformed_cache_salt(engine, path, salt, message):
+    with engine.client() as client:
+        response = client.post(path, json=salted_body(path, "x", None) | {"cache_salt": salt})
+    assert response.status_code == 400
+    assert response.json()["error"] == {
+        "message": f"{message} (parameter=cache_salt)",
+        "type": "BadRequestError",
+        "param": "cache_salt",
+        "code": 400,
+    }
+
+
+@pytest.mark.parametrize(
+    "salt, kind",
+    [("", "string_too_short"), (7, "string_type"), ("x" * 1025, "string_too_long"), ("tenant/a", None)],
+    ids=["empty", "not-a-string", "too-long", "a-slash"],
+)
+def test_the_messages_api_refuses_a_malformed_cache_salt_as_vllm_does(engine, salt, kind):
+    """/v1/messages types the salt in its own request model first (plain error shape), then checks it as the
+    chat-completions request it becomes (Anthropic's error shape)."""
+    with engine.client() as client:
+        response = client.post(
+            "/v1/messages", json=salted_body("/v1/messages", "x", None) | {"cache_salt": salt}
+        )
+    assert response.status_code == 400
+    body = response.json()
+    if kind is None:
+        assert body == {
+            "type": "error",
+            "error": {"type": "BadRequestError", "message": f"{SALT_RULE} (parameter=cache_salt)"},
+        }
+    else:
+        error = body["error"]
+        assert error["type"] == "Bad Request" and error["param"] == "body.cache_salt"
+        assert error["message"].startswith(
+            f"1 validation error:\n  {{'type': '{kind}', 'loc': 'body.cache_salt'"
+        )

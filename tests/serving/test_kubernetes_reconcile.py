@@ -9,6 +9,7 @@ mock in these tests; everything on our side (client, orchestrator, services, dat
 
 from __future__ import annotations
 
+import base64
 import json
 import threading
 import uuid
@@ -20,6 +21,7 @@ import yaml
 from django.test import override_settings
 
 from serving import services
+from serving.engine_keys import engine_api_key
 from serving.models import (
     DesiredStatus,
     Endpoint,
@@ -108,6 +110,10 @@ class KubernetesApiDouble:
                     }
                 )
                 old = self.objects.get(key)
+                if plural == "pods" and old:
+                    # Our apply to a pod sets its annotations only; the rest stays the kubelet's.
+                    old["metadata"]["annotations"] = applied["metadata"].get("annotations") or {}
+                    return 200, old
                 uid = old["metadata"]["uid"] if old else str(uuid.uuid4())
                 applied["metadata"]["uid"] = uid
                 if old and "status" in old:
@@ -205,13 +211,20 @@ def test_it_creates_the_objects_with_server_side_apply_under_one_field_manager(c
     result = reconcile(deployment)
     assert [(p["plural"], p["name"]) for p in cluster.patches] == [
         ("configmaps", "qwen"),
+        ("secrets", "qwen-engine-key"),  # the key and the policy before the pods that need them
+        ("networkpolicies", "qwen-engines"),
         ("services", "qwen-main"),
         ("deployments", "qwen-main"),
     ]
     assert {(p["fieldManager"], p["force"]) for p in cluster.patches} == {("inference-platform", "true")}
     root_uid = cluster.get("configmaps", "inference", "qwen")["metadata"]["uid"]
-    for plural in ("services", "deployments"):
-        owner = cluster.get(plural, "inference", "qwen-main")["metadata"]["ownerReferences"][0]
+    for plural, name in (
+        ("services", "qwen-main"),
+        ("deployments", "qwen-main"),
+        ("secrets", "qwen-engine-key"),
+        ("networkpolicies", "qwen-engines"),
+    ):
+        owner = cluster.get(plural, "inference", name)["metadata"]["ownerReferences"][0]
         assert (owner["kind"], owner["name"], owner["uid"]) == ("ConfigMap", "qwen", root_uid)
     assert cluster.get("deployments", "inference", "qwen-main")["spec"]["replicas"] == 2
     assert result.status == ObservedStatus.PROGRESSING and result.settling
@@ -331,6 +344,9 @@ def test_it_prunes_objects_no_longer_wanted(cluster):
     result = reconcile(deployment)
     assert not cluster.names("deployments") and not cluster.names("services")
     assert cluster.names("configmaps") == {"qwen"}  # the root stays while the deployment exists
+    # So do the key and the policy: pods still shutting down stay guarded.
+    assert cluster.names("secrets") == {"qwen-engine-key"}
+    assert cluster.names("networkpolicies") == {"qwen-engines"}
     assert result.status == ObservedStatus.STOPPED
 
 
@@ -346,10 +362,13 @@ def test_a_deleted_deployment_is_swept_away_but_nothing_else(cluster):
     }
     cluster.objects[("configmaps", "inference", "theirs")] = foreign
     gone.delete()
-    swept = services.engines_sweep()
+    swept = services.engines_sweep().gone
     assert "inference/Deployment/gone-main" in swept and "inference/ConfigMap/gone" in swept
+    assert {"inference/Secret/gone-engine-key", "inference/NetworkPolicy/gone-engines"} <= set(swept)
     assert cluster.names("configmaps") == {"keep", "theirs"}
     assert cluster.names("deployments") == {"keep-main"}
+    assert cluster.names("secrets") == {"keep-engine-key"}
+    assert cluster.names("networkpolicies") == {"keep-engines"}
 
 
 def test_a_conflict_is_retried_with_backoff(cluster):
@@ -399,4 +418,106 @@ def test_without_a_cluster_it_says_so(settings):
         services.deployment_reconcile(deployment_id=deployment.pk)
     deployment.refresh_from_db()
     assert "no cluster configured" in deployment.status_message
-    assert services.engines_sweep() == []
+    assert services.engines_sweep().gone == []
+
+
+def test_the_engines_key_and_network_policy_are_applied_and_kept_in_step(cluster, settings):
+    settings.ENGINE_KEY_SECRET = "first"
+    deployment = make_deployment(kv_connector=KvConnector.NIXL)
+    reconcile(deployment)
+    secret = cluster.get("secrets", "inference", "qwen-engine-key")
+    assert base64.b64decode(secret["data"]["VLLM_API_KEY"]).decode() == engine_api_key(deployment.pk)
+    assert secret["metadata"]["labels"][render.LABEL_DEPLOYMENT_ID] == str(deployment.pk)
+    template = cluster.get("deployments", "inference", "qwen-main")["spec"]["template"]
+    assert template["spec"]["automountServiceAccountToken"] is False
+    env = {item["name"]: item for item in template["spec"]["containers"][0]["env"]}
+    assert env["VLLM_API_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "qwen-engine-key"
+    policy = cluster.get("networkpolicies", "inference", "qwen-engines")["spec"]
+    assert len(policy["ingress"]) == 3  # router and worker; KV-event ingester; the deployment's own pods
+
+    # A pool without NIXL no longer needs traffic between the deployment's pods: only the policy changes.
+    cluster.patches.clear()
+    Pool.objects.filter(deployment=deployment).update(kv_connector=KvConnector.NONE)
+    reconcile(deployment)
+    assert ("networkpolicies", "qwen-engines") in [(p["plural"], p["name"]) for p in cluster.patches]
+    assert len(cluster.get("networkpolicies", "inference", "qwen-engines")["spec"]["ingress"]) == 2
+
+    # A new secret: a new key in the Secret, and the pods roll to read it.
+    cluster.patches.clear()
+    settings.ENGINE_KEY_SECRET = "second"
+    reconcile(deployment)
+    assert [(p["plural"], p["name"]) for p in cluster.patches] == [
+        ("secrets", "qwen-engine-key"),
+        ("deployments", "qwen-main"),
+    ]
+    secret = cluster.get("secrets", "inference", "qwen-engine-key")
+    assert base64.b64decode(secret["data"]["VLLM_API_KEY"]).decode() == engine_api_key(deployment.pk)
+
+
+def test_a_scale_down_drains_the_pod_it_removes_first(cluster, settings):
+    """Two ready pods, replicas 2 -> 1: the pod with nothing in flight is drained (no new requests, the
+    lowest deletion cost) while the Deployment keeps both; once nothing is in flight there the Deployment goes to
+    one replica, and the pod's lifetime ends with its drain recorded."""
+    import time
+
+    import redis
+
+    from routing.load import REPLICA_LOAD_KEY
+    from serving.models import EndpointLifetime
+    from serving.orchestrators.kubernetes import POD_DELETION_COST
+
+    settings.ROUTER_CONFIG_POLL_SECONDS = 0.2
+    settings.ROUTER_LOAD_SHARE_SECONDS = 0.05
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    deployment = make_deployment()
+    reconcile(deployment)
+    cluster.add_pod("inference", "qwen-main-a", pod_labels(deployment), "10.1.0.5", ready=True)
+    cluster.add_pod("inference", "qwen-main-b", pod_labels(deployment), "10.1.0.6", ready=True)
+    cluster.set_status("deployments", "inference", "qwen-main", {"replicas": 2, "readyReplicas": 2})
+    reconcile(deployment)
+    rows = {e.name: e for e in Endpoint.objects.filter(pool__deployment=deployment)}
+
+    def in_flight(name: str, count: int) -> None:
+        key = REPLICA_LOAD_KEY.format(rows[name].pk)
+        if count:
+            client.hset(key, "replica-1", f"{count}.0 {count} {time.time():.3f} 0")
+        else:
+            client.delete(key)
+
+    in_flight("qwen-main-b", 3)  # a router replica has three requests there
+    Pool.objects.filter(deployment=deployment).update(replicas=1)
+    result = reconcile(deployment)
+    drained = Endpoint.objects.get(name="qwen-main-a")
+    assert drained.draining_since is not None and "Draining 1 replica" in result.message
+    assert Endpoint.objects.get(name="qwen-main-b").draining_since is None
+    pod = cluster.get("pods", "inference", "qwen-main-a")
+    assert pod["metadata"]["annotations"] == {POD_DELETION_COST: "-1000000"}
+    assert cluster.get("deployments", "inference", "qwen-main")["spec"]["replicas"] == 2
+
+    in_flight("qwen-main-a", 1)  # a request that reached it before the routers reloaded
+    time.sleep(1.0)  # past the time routers take to reload (0.8 s here)
+    reconcile(deployment)
+    assert cluster.get("deployments", "inference", "qwen-main")["spec"]["replicas"] == 2
+
+    in_flight("qwen-main-a", 0)
+    reconcile(deployment)
+    assert cluster.get("deployments", "inference", "qwen-main")["spec"]["replicas"] == 1
+    cluster.objects.pop(("pods", "inference", "qwen-main-a"))  # the ReplicaSet deletes the cheapest pod
+    reconcile(deployment)
+    assert list(Endpoint.objects.filter(pool__deployment=deployment).values_list("name", flat=True)) == [
+        "qwen-main-b"
+    ]
+    life = EndpointLifetime.objects.get(endpoint_name="qwen-main-a")
+    assert life.ready_at and life.draining_at and life.stopped_at and life.draining_at <= life.stopped_at
+    in_flight("qwen-main-b", 0)
+
+
+def test_engine_pods_wait_for_routers_before_stopping_and_have_time_to_finish(cluster, settings):
+    deployment = make_deployment()
+    reconcile(deployment)
+    spec = cluster.get("deployments", "inference", "qwen-main")["spec"]["template"]["spec"]
+    container = spec["containers"][0]
+    assert container["lifecycle"] == {"preStop": {"sleep": {"seconds": settings.KUBERNETES_PRESTOP_SLEEP_S}}}
+    assert spec["terminationGracePeriodSeconds"] == (
+        settings.ENGINE_DRAIN_TIMEOUT_S + settings.KUBERNETES_PRESTOP_SLEEP_S
+    )

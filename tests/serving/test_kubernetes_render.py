@@ -6,6 +6,7 @@ Regenerate the golden files after a deliberate change with UPDATE_GOLDEN=1.
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 import os
@@ -19,6 +20,7 @@ import yaml
 from django.test import override_settings
 
 from serving.engine_command import UnsupportedEngineOption
+from serving.engine_keys import engine_api_key
 from serving.models import KvConnector, ModelDeployment, OrchestratorKind, Pool, PoolRole
 from serving.orchestrators import kube_render as render
 from tests.deploy.validation import KUBERNETES_VERSION, validate_object, validate_objects
@@ -28,6 +30,12 @@ OWNER_UID = "00000000-0000-4000-8000-000000000001"
 GiB = 1024**3
 
 pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture(autouse=True)
+def fixed_engine_key_secret(settings):
+    """The engine keys in the golden files come from this, not from the machine's own SECRET_KEY."""
+    settings.ENGINE_KEY_SECRET = "golden-files-only-not-a-secret"
 
 
 def _deployment(pk: int, name: str, **fields) -> ModelDeployment:
@@ -139,7 +147,11 @@ def render_all(case: str) -> list[dict]:
     with override_settings(**overrides):
         deployment = CASES[case]()
         owner = render.owner_reference(deployment, OWNER_UID)
-        return [render.render_root(deployment), *render.render_children(deployment, owner)]
+        return [
+            render.render_root(deployment),
+            *render.render_engine_access(deployment, owner),
+            *render.render_children(deployment, owner),
+        ]
 
 
 def dump(objects: list[dict]) -> str:
@@ -173,7 +185,7 @@ def test_it_passes_the_kubernetes_validate_command_in_strict_mode():
     """The golden files through the real CLI: every built-in object passes, none fails."""
     files = sorted(GOLDEN.glob("*.yaml"))
     built_in = sum(
-        obj["apiVersion"] in ("v1", "apps/v1")
+        obj["apiVersion"] in ("v1", "apps/v1", "networking.k8s.io/v1")
         for path in files
         for obj in yaml.safe_load_all(path.read_text())
     )
@@ -195,7 +207,9 @@ def test_it_refuses_objects_the_schemas_refuse():
     service["spec"]["ports"][0]["port"] = "http"
     lws = copy.deepcopy(by_kind(render_all("wide-ep"), "LeaderWorkerSet")[0])
     lws["spec"]["leaderWorkerTemplate"]["groupSize"] = 2
-    for obj in (deployment, service, lws):
+    policy = copy.deepcopy(by_kind(render_all("prefill-decode"), "NetworkPolicy")[0])
+    policy["spec"]["ingress"][2]["ports"][0]["endPort"] = "7999"
+    for obj in (deployment, service, lws, policy):
         with pytest.raises(Exception, match="(Additional properties|is not of type)"):
             validate_object(obj)
     pool = {
@@ -376,3 +390,124 @@ def test_a_dollar_in_the_chat_template_survives_kubernetes_expansion():
     objects = [render.render_root(deployment), *render.render_children(deployment, None)]
     args = container(by_kind(objects, "Deployment")[0])["args"]
     assert args[args.index("--chat-template") + 1] == template.replace("$", "$$")
+
+
+def pod_templates(workload: dict) -> list[dict]:
+    if workload["kind"] == "Deployment":
+        return [workload["spec"]["template"]]
+    lws = workload["spec"]["leaderWorkerTemplate"]
+    return [lws["leaderTemplate"], lws["workerTemplate"]]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_serving_engine_requires_the_deployments_key_from_its_secret(case):
+    objects = render_all(case)
+    (secret,) = by_kind(objects, "Secret")
+    deployment = ModelDeployment.objects.get(name=objects[0]["metadata"]["name"])
+    key = engine_api_key(deployment.pk)
+    assert secret["metadata"]["name"] == f"{deployment.name}-engine-key"
+    assert base64.b64decode(secret["data"]["VLLM_API_KEY"]).decode() == key
+    assert secret["metadata"]["labels"] == render.deployment_labels(deployment)
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == OWNER_UID
+    workloads = by_kind(objects, "Deployment") + by_kind(objects, "LeaderWorkerSet")
+    for workload in workloads:
+        for template in pod_templates(workload):
+            engine = template["spec"]["containers"][0]
+            env = {item["name"]: item for item in engine["env"]}
+            serving = "readinessProbe" in engine
+            if serving:
+                reference = {"name": secret["metadata"]["name"], "key": "VLLM_API_KEY"}
+                assert env["VLLM_API_KEY"] == {
+                    "name": "VLLM_API_KEY",
+                    "valueFrom": {"secretKeyRef": reference},
+                }
+            else:
+                assert "VLLM_API_KEY" not in env  # a headless worker serves no HTTP
+            # The key itself is never in the pod spec, only a digest that rolls the pods when it changes.
+            assert key not in json.dumps(template)
+            assert template["metadata"]["annotations"][render.ENGINE_KEY_ANNOTATION]
+    assert workloads
+
+
+def test_a_new_key_rolls_the_engine_pods(settings):
+    before = by_kind(render_all("aggregated"), "Deployment")[0]["spec"]["template"]
+    ModelDeployment.objects.all().delete()
+    settings.ENGINE_KEY_SECRET = "rotated"
+    after = by_kind(render_all("aggregated"), "Deployment")[0]["spec"]["template"]
+    annotation = render.ENGINE_KEY_ANNOTATION
+    assert before["metadata"]["annotations"][annotation] != after["metadata"]["annotations"][annotation]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_engine_pods_get_no_service_account_token(case):
+    objects = render_all(case)
+    for workload in by_kind(objects, "Deployment") + by_kind(objects, "LeaderWorkerSet"):
+        for template in pod_templates(workload):
+            assert template["spec"]["automountServiceAccountToken"] is False
+
+
+def _peer_names(rule: dict) -> set[tuple[str, str]]:
+    names = set()
+    for peer in rule["from"]:
+        namespace = (
+            peer.get("namespaceSelector", {}).get("matchLabels", {}).get("kubernetes.io/metadata.name")
+        )
+        labels = peer["podSelector"]["matchLabels"]
+        names.add((namespace, labels.get(render.PLATFORM_NAME_LABEL) or labels.get(render.LABEL_DEPLOYMENT)))
+    return names
+
+
+def _ports(rule: dict) -> list[tuple[int, int]]:
+    assert {port["protocol"] for port in rule["ports"]} == {"TCP"}
+    return [(port["port"], port.get("endPort", port["port"])) for port in rule["ports"]]
+
+
+@pytest.mark.parametrize(
+    "case, kv_events, peers",
+    [
+        ("aggregated", True, False),
+        ("prefill-decode", True, True),  # NIXL between prefill and decode pods
+        ("wide-ep", True, True),  # NIXL, and the nodes of each LeaderWorkerSet group
+        ("cpu-offload", True, False),
+        ("speculative", False, False),
+    ],
+)
+def test_only_the_platform_reaches_the_engines_through_the_network_policy(case, kv_events, peers):
+    objects = render_all(case)
+    (policy,) = by_kind(objects, "NetworkPolicy")
+    name = objects[0]["metadata"]["name"]
+    assert policy["metadata"]["ownerReferences"][0]["uid"] == OWNER_UID
+    spec = policy["spec"]
+    assert spec["policyTypes"] == ["Ingress"]  # isolated for ingress: what no rule allows is refused
+    # It selects every engine pod of the deployment, and nothing of another deployment.
+    for workload in by_kind(objects, "Deployment") + by_kind(objects, "LeaderWorkerSet"):
+        for template in pod_templates(workload):
+            assert spec["podSelector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
+    assert spec["podSelector"]["matchLabels"] == {render.LABEL_DEPLOYMENT: name}
+
+    platform = "inference-platform"
+    http, *rest = spec["ingress"]
+    assert _peer_names(http) == {(platform, "router"), (platform, "worker")}
+    assert _ports(http) == [(8000, 8000)]
+    if kv_events:
+        events, *rest = rest
+        assert _peer_names(events) == {(platform, "kv-ingester")} and _ports(events) == [(5557, 5557)]
+    if peers:
+        own, *rest = rest
+        assert _peer_names(own) == {(None, name)}  # no namespaceSelector: this namespace only
+        ranges = _ports(own)
+        assert ranges == [(1, 7999), (8001, 65535)]  # every port but the engine's HTTP
+        # KV events, NIXL side channels of data-parallel ranks, the data-parallel RPC port: all inside.
+        assert all(any(lo <= port <= hi for lo, hi in ranges) for port in (5557, 5600, 5615, 13345))
+    assert rest == []
+
+
+def test_the_platform_namespace_comes_from_the_settings(settings):
+    settings.KUBERNETES_PLATFORM_NAMESPACE = "llm-platform"
+    policy = by_kind(render_all("aggregated"), "NetworkPolicy")[0]
+    namespaces = {
+        peer["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"]
+        for rule in policy["spec"]["ingress"]
+        for peer in rule["from"]
+    }
+    assert namespaces == {"llm-platform"}

@@ -18,7 +18,7 @@ from django.conf import settings
 from django.db import connection
 
 from serving import services
-from serving.models import Endpoint, Health, ModelDeployment, ObservedStatus, Pool
+from serving.models import Endpoint, EndpointLifetime, Health, ModelDeployment, ObservedStatus, Pool
 from serving.orchestrators import processes
 from tenants.models import Role
 from tests.conftest import make_user
@@ -104,9 +104,25 @@ def test_it_scales_up_and_down(deployment, owner):
     assert httpx.get(f"{both[1].url}/v1/models", timeout=5).status_code == 200
 
     set_pool(deployment, replicas=1)
-    reconcile_until(deployment, ObservedStatus.READY)
+    services.deployment_reconcile(deployment_id=deployment.pk)
+    # The younger engine (no cache held, nothing in flight) is drained first: no new requests, still running.
+    drained = Endpoint.objects.get(name="orch-main-1")
+    assert drained.draining_since is not None and drained.pid in engine_pids(owner)
+    deadline = time.monotonic() + 30
+    while len(endpoints(deployment)) > 1:
+        assert time.monotonic() < deadline, deployment.status_message
+        time.sleep(0.3)
+        services.deployment_reconcile(deployment_id=deployment.pk)
+        deployment.refresh_from_db()
     assert [e.name for e in endpoints(deployment)] == ["orch-main-0"]
     assert engine_pids(owner) == {first.pid}
+    # Each engine's lifetime: started, ready; the removed one drained, then stopped.
+    lives = {life.endpoint_name: life for life in EndpointLifetime.objects.filter(deployment_name="orch")}
+    assert set(lives) == {"orch-main-0", "orch-main-1"}
+    assert all(life.ready_at and life.ready_at >= life.started_at for life in lives.values())
+    gone = lives["orch-main-1"]
+    assert gone.started_at <= gone.ready_at <= gone.draining_at <= gone.stopped_at
+    assert lives["orch-main-0"].stopped_at is None and lives["orch-main-0"].draining_at is None
     assert not psutil.pid_exists(both[1].pid) or both[1].pid not in engine_pids(owner)
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{both[1].url}/health", timeout=2)
@@ -188,8 +204,12 @@ def test_deleting_a_deployment_leaves_no_process_behind(deployment, owner):
 
     deployment.delete()
     assert not Endpoint.objects.exists()
-    services.engines_sweep()
-    assert marked_processes(owner) == []
+    # Its engines are stopped once routers can no longer be sending them anything and they are idle.
+    deadline = time.monotonic() + 20
+    while marked_processes(owner):
+        assert time.monotonic() < deadline
+        services.engines_sweep()
+        time.sleep(0.2)
 
 
 def test_a_stopped_deployment_runs_nothing(deployment, owner):

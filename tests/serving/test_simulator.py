@@ -451,3 +451,41 @@ def test_it_refuses_to_start_as_vllm_does(flags, error):
     )
     assert ran.returncode == 1
     assert ran.stderr.strip().splitlines()[-1].startswith(error)
+
+
+def test_a_salted_block_filled_by_output_is_salted_too(sim_engine):
+    """A prompt shorter than a block: the first block is completed by generated tokens, and salted as vLLM salts
+    every sequence's first block, so another salt's same tokens never hit it."""
+    prompt = blocks_prompt(1, 41)[:100]
+    subscriber = EventSubscriber(sim_engine.events_endpoint)
+    try:
+        complete(sim_engine, prompt, max_tokens=40, ignore_eos=True, cache_salt="tenant-a")
+        messages = subscriber.messages(
+            until=lambda got: any(e["type"] == "BlockStored" for e in events_of(got))
+        )
+    finally:
+        subscriber.close()
+    (stored,) = [e for e in events_of(messages) if e["type"] == "BlockStored"]
+    assert stored["parent_block_hash"] is None and stored["extra_keys"] == [["tenant-a"]]
+    assert stored["token_ids"][:100] == prompt and len(stored["token_ids"]) == 128
+    whole = [*stored["token_ids"], 7]  # the prompt and its output, one token further
+    for salt, cached in (("tenant-b", 0), ("tenant-a", 128)):
+        usage = complete(sim_engine, whole, cache_salt=salt)["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] == cached, salt
+
+
+def test_the_cpu_tier_announces_salted_blocks_without_extra_keys():
+    """As vLLM 0.32's offloading connector: its BlockStored events carry no extra keys, so a salted first block
+    is known by its engine hash only (the same hash as its GPU copy)."""
+    engine = start_engine("sim", "--cpu-offload-blocks", "16")
+    subscriber = EventSubscriber(engine.events_endpoint)
+    try:
+        complete(engine, blocks_prompt(2, 42) + [7], cache_salt="tenant-a")
+        messages = subscriber.messages(until=lambda got: len(events_of(got)) >= 2)
+    finally:
+        subscriber.close()
+        engine.stop()
+    gpu, cpu = (e for e in events_of(messages) if e["type"] == "BlockStored")
+    assert (gpu["medium"], cpu["medium"]) == ("GPU", "CPU")
+    assert gpu["extra_keys"] == [["tenant-a"], None] and "extra_keys" not in cpu
+    assert cpu["block_hashes"] == gpu["block_hashes"] and cpu["parent_block_hash"] is None

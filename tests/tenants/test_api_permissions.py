@@ -22,7 +22,18 @@ from rest_framework.test import APIClient
 
 from serving.models import ModelDeployment
 from tenants.keys import api_key_create, api_key_revoke
-from tenants.models import ApiKey, AuditLog, Membership, PriceSheet, Quota, Role, Scope, Team
+from tenants.models import (
+    ApiKey,
+    AuditLog,
+    Membership,
+    ModelAlias,
+    PriceSheet,
+    PriorityClass,
+    Quota,
+    Role,
+    Scope,
+    Team,
+)
 
 from ..conftest import make_usage
 
@@ -62,6 +73,12 @@ def _new_routing_policy(world):
     return {"deployment": deployment.pk, "mode": world.policy.mode}
 
 
+def _alias_of(tenant, name: str = "coder"):
+    """A model alias of the tenant's, made on first use (the world has none of its own)."""
+    deployment = ModelDeployment.objects.get(served_model_name="tiny-qwen")
+    return ModelAlias.objects.get_or_create(tenant=tenant, name=name, defaults={"deployment": deployment})[0]
+
+
 def _audit_row_of_tenant_a(world):
     return AuditLog.objects.filter(tenant=world.tenant_a).first()
 
@@ -82,10 +99,42 @@ ROUTES = {
         patch={"role": Role.MEMBER},
         create=_new_membership,
     ),
+    # A team's admins may change its priority class and nothing else of it; its weight and the models it may
+    # call are its tenant admins'.
+    "teams: priority class": dict(
+        url="teams",
+        target=lambda w: w.team_a1,
+        patch={"priority_class": PriorityClass.BATCH},
+    ),
+    "teams: share and models": dict(
+        url="teams",
+        target=lambda w: w.team_a1,
+        patch={"fair_share_weight": 3, "restrict_models": True},
+    ),
     "keys": dict(
         target=lambda w: w.key_a1.api_key,
         patch={"name": "a1 agent (renamed)"},
         create=lambda w: {"team": w.team_a1.pk, "name": "new agent", "scopes": [Scope.INFERENCE]},
+    ),
+    "keys: priority class": dict(
+        url="keys",
+        target=lambda w: w.key_a1.api_key,
+        patch={"priority_class": PriorityClass.BATCH},
+    ),
+    "tenants: share and ceiling": dict(
+        url="tenants",
+        target=lambda w: w.tenant_a,
+        patch={"fair_share_weight": 3, "max_priority_class": PriorityClass.INTERACTIVE},
+    ),
+    "model-aliases": dict(
+        target=lambda w: _alias_of(w.tenant_a),
+        patch={"name": "coder-next"},
+        create=lambda w: {"tenant": w.tenant_a.pk, "name": "reviewer", "deployment": w.deployment.pk},
+    ),
+    "model-aliases of tenant B": dict(
+        url="model-aliases",
+        target=lambda w: _alias_of(w.tenant_b),
+        patch={"name": "coder-next"},
     ),
     "quotas": dict(
         target=lambda w: w.quota_a1,
@@ -144,11 +193,14 @@ MATRIX = [
     ("tenants",                   "update",   200,     403,    403,          403,      404),
     ("tenants",                   "delete",   409,     403,    403,          403,      404),
     ("tenants",                   "create",   201,     403,    403,          403,      403),
+    ("tenants: share and ceiling", "update",  200,     403,    403,          403,      404),
 
     ("teams",                     "retrieve", 200,     200,    200,          200,      404),
     ("teams",                     "update",   200,     200,    403,          403,      404),
     ("teams",                     "delete",   409,     409,    403,          403,      404),
     ("teams",                     "create",   201,     201,    403,          403,      400),
+    ("teams: priority class",     "update",   200,     200,    200,          403,      404),
+    ("teams: share and models",   "update",   200,     200,    403,          403,      404),
 
     ("memberships",               "retrieve", 200,     200,    200,          200,      404),
     ("memberships",               "update",   200,     200,    200,          403,      404),
@@ -160,6 +212,16 @@ MATRIX = [
     ("keys",                      "revoke",   200,     200,    200,          403,      404),
     ("keys",                      "delete",   405,     405,    405,          405,      405),
     ("keys",                      "create",   201,     201,    201,          403,      400),
+    ("keys: priority class",      "update",   200,     200,    200,          403,      404),
+
+    # A tenant's aliases are read by everyone in it and changed by its admins.
+    ("model-aliases",             "retrieve", 200,     200,    200,          200,      404),
+    ("model-aliases",             "update",   200,     200,    403,          403,      404),
+    ("model-aliases",             "delete",   204,     204,    403,          403,      404),
+    ("model-aliases",             "create",   201,     201,    403,          403,      400),
+    ("model-aliases of tenant B", "retrieve", 200,     404,    404,          404,      200),
+    ("model-aliases of tenant B", "update",   200,     404,    404,          404,      200),
+    ("model-aliases of tenant B", "delete",   204,     404,    404,          404,      204),
 
     ("quotas",                    "retrieve", 200,     200,    200,          200,      404),
     ("quotas",                    "update",   200,     200,    403,          403,      404),
@@ -352,6 +414,23 @@ def test_it_scopes_every_list(world, client_for, route, actor, names):
     assert seen == {_ident(getattr(world, name)) for name in names}
 
 
+@pytest.mark.parametrize(
+    ("actor", "tenants"),
+    [
+        ("operator", ["tenant_a", "tenant_b"]),
+        ("admin_a", ["tenant_a"]),
+        ("team_admin_a1", ["tenant_a"]),
+        ("member_a1", ["tenant_a"]),
+        ("admin_b", ["tenant_b"]),
+    ],
+)
+def test_it_lists_the_model_aliases_of_ones_tenants_only(world, client_for, actor, tenants):
+    aliases = {_alias_of(world.tenant_a).pk: "tenant_a", _alias_of(world.tenant_b).pk: "tenant_b"}
+    response = client_for(getattr(world, actor)).get("/api/model-aliases/")
+    assert response.status_code == 200
+    assert sorted(aliases[row["id"]] for row in response.json()["results"]) == tenants
+
+
 def test_it_shows_team_admins_and_members_only_their_own_teams_usage(world, client_for):
     make_usage(world.key_a2, "req-a2")
     for actor, expected in [
@@ -400,11 +479,11 @@ def test_it_does_not_let_a_filter_widen_the_scope(world, client_for):
         ("/api/memberships/", {"tenant": world.tenant_a.pk}),
         ("/api/usage/", {"tenant": world.tenant_a.pk}),
         ("/api/price-sheets/", {"tenant": world.tenant_a.pk}),
+        ("/api/model-aliases/", {"tenant": world.tenant_a.pk}),
     ]:
         response = client.get(url, params)
-        assert response.status_code in (200, 400), url
-        if response.status_code == 200:
-            assert response.json()["results"] == [], (url, params)
+        assert response.status_code == 200, url
+        assert response.json()["results"] == [], (url, params)
 
 
 # --- no mass assignment --------------------------------------------------------------------------------

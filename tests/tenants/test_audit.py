@@ -139,7 +139,16 @@ def test_it_audits_admin_changes_and_deletions_once(world, admin_client):
     team = world.team_a2
     url = f"/admin/tenants/team/{team.pk}/change/"
     response, rows = audit_rows_during(
-        lambda: admin_client.post(url, {"tenant": world.tenant_a.pk, "name": "Renamed", "slug": team.slug})
+        lambda: admin_client.post(
+            url,
+            {
+                "tenant": world.tenant_a.pk,
+                "name": "Renamed",
+                "slug": team.slug,
+                "priority_class": team.priority_class,
+                "fair_share_weight": team.fair_share_weight,
+            },
+        )
     )
     assert response.status_code == 302, response.content[:3000]
     assert [row.action for row in rows] == ["team.update"]

@@ -104,6 +104,32 @@ def test_it_writes_events_as_records_at_each_tenants_price(world, streams):
     assert pending(streams) == 0
 
 
+def test_it_records_the_class_and_the_queue_wait_and_reads_events_written_before_they_existed(world, streams):
+    usage_event_emit_sync(
+        streams, make_event(world.key_a1, "req-queued", priority_class="batch", queued_ms=1250)
+    )
+    usage_event_emit_sync(
+        streams,
+        make_event(world.key_a1, "req-refused", priority_class="interactive", queued_ms=30000, status="rejected",
+                   prompt_tokens=0, cached_prompt_tokens=0, output_tokens=0),
+    )  # fmt: skip
+    # An event from a router's journal written before the fields existed.
+    old = json.loads(make_event(world.key_a1, "req-old").encode())
+    del old["priority_class"], old["queued_ms"]
+    streams.xadd(django_settings.USAGE_STREAM, {usage_stream.FIELD: json.dumps(old)})
+    bad = json.loads(make_event(world.key_a1, "req-bad").encode()) | {"priority_class": "urgent"}
+    streams.xadd(django_settings.USAGE_STREAM, {usage_stream.FIELD: json.dumps(bad)})
+
+    assert usage_ingest_batch(consumer="test") == 3
+    rows = {r.request_id: r for r in UsageRecord.objects.all()}
+    assert (rows["req-queued"].priority_class, rows["req-queued"].queued_ms) == ("batch", 1250)
+    refused = rows["req-refused"]
+    assert (refused.status, refused.priority_class, refused.cost) == ("rejected", "interactive", Decimal("0"))
+    assert (rows["req-old"].priority_class, rows["req-old"].queued_ms) == ("", None)
+    assert "req-bad" not in rows  # dead-lettered: not a class
+    assert streams.xlen(django_settings.USAGE_DEAD_LETTER_STREAM) == 1
+
+
 def test_it_charges_nothing_in_the_default_currency_when_no_sheet_is_in_force(world, streams, settings):
     settings.USAGE_DEFAULT_CURRENCY = "EUR"
     before_prices = world.price_list.effective_from - timedelta(hours=1)

@@ -1,16 +1,25 @@
-"""Create the demo operator, tenant, team, key, price sheet and deployment. Safe to run again."""
+"""Create the demo operator, tenant, team, key, price sheet and deployment. Safe to run again.
+
+The operator (a superuser whose password is printed) is made only under DEBUG.
+
+It lives in `serving` because what it sets up ends in a served model: the tenant, team, key and price sheet are
+there so that the demo deployment can be called and billed. `serving` already builds on `tenants` (audit rows),
+while `tenants` knows nothing of deployments; the deployment is made by the same service as the API's and the
+portal's (serving.services.deployment_create).
+"""
 
 import secrets
 from decimal import Decimal
 
+from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand
 from django.db import transaction
 from django.utils import timezone
 
 from routing.models import RoutingPolicy
-from serving.models import EngineKind, ModelDeployment, Pool
-from serving.services import deployment_changed
+from serving.models import EngineKind, ModelDeployment
+from serving.services import deployment_create
 from tenants.audit import audit_record, snapshot
 from tenants.keys import api_key_create
 from tenants.models import ApiKey, Membership, PriceSheet, Quota, Role, Scope, Team, Tenant
@@ -28,7 +37,13 @@ class Command(BaseCommand):
     def handle(self, *args, username: str, **options):
         User = get_user_model()
         user = User.objects.filter(username=username).first()
-        if user is None:
+        if user is None and not settings.DEBUG:
+            # A superuser with a printed password is for a developer's machine only.
+            self.stdout.write(
+                "Operator:  not created (DEBUG is off); make one with `manage.py createsuperuser` and give "
+                "them the operator role in the admin"
+            )
+        elif user is None:
             password = secrets.token_urlsafe(12)
             user = User.objects.create_superuser(username=username, email="", password=password)
             Membership.objects.create(user=user, role=Role.OPERATOR)
@@ -89,26 +104,21 @@ class Command(BaseCommand):
                 details={"after": snapshot(sheet)},
             )
 
-        deployment, created = ModelDeployment.objects.get_or_create(
-            name="tiny-demo",
-            defaults={
-                "served_model_name": DEMO_MODEL,
-                "model_source": "models/tiny-qwen",
-                "engine_kind": EngineKind.SIM,
-            },
-        )
-        if created:
-            Pool.objects.create(deployment=deployment, name="main", replicas=2)
-            RoutingPolicy.objects.create(deployment=deployment)
-            audit_record(
-                actor=None,
-                action="deployment.create",
-                instance=deployment,
-                source="system",
-                details={"after": snapshot(deployment)},
-            )
+        deployment = ModelDeployment.objects.filter(name="tiny-demo").first()
+        if deployment is None:
             # The Celery worker starts its two simulated engines once this commits (the beat would too).
-            deployment_changed(deployment_id=deployment.pk)
+            deployment = deployment_create(
+                actor=None,
+                source="system",
+                fields={
+                    "name": "tiny-demo",
+                    "served_model_name": DEMO_MODEL,
+                    "model_source": "models/tiny-qwen",
+                    "engine_kind": EngineKind.SIM,
+                },
+                pools=[{"name": "main", "replicas": 2}],
+            )
+            RoutingPolicy.objects.create(deployment=deployment)
         self.stdout.write(
             f"Deployment: {deployment.name}, {deployment.engine_kind} engines, served as {DEMO_MODEL}"
         )

@@ -1,10 +1,10 @@
 """Prefix-aware routing: engine-reported prefix reuse, TTFT and load balance per routing policy, on 8 simulated
 engines with bounded KV caches, replaying Mooncake traces and a synthetic agentic workload through the router.
 
-    .venv/bin/python bench/routing.py            # full: 3 workloads x 5 policies, about 12 minutes
-    .venv/bin/python bench/routing.py --quick    # smaller subsets, shorter replays, about 4 minutes
-    .venv/bin/python bench/routing.py --repeat 3 # every policy 3 times, medians and ranges
-    .venv/bin/python bench/routing.py --kv-blocks 512 --section prefix-routing-kv-pressure \
+    .venv/bin/python -m bench.prefix_routing            # full: 3 workloads x 5 policies, about 12 minutes
+    .venv/bin/python -m bench.prefix_routing --quick    # smaller subsets, shorter replays, about 4 minutes
+    .venv/bin/python -m bench.prefix_routing --repeat 3 # every policy 3 times, medians and ranges
+    .venv/bin/python -m bench.prefix_routing --kv-blocks 512 --section prefix-routing-kv-pressure \
         --title "Under KV pressure"              # caches too small for the workload: engines evict
 
 Without DATABASE_URL and REDIS_URL it re-runs itself under `python -m inference_platform.devstack exec`. It uses a
@@ -24,7 +24,7 @@ Each request is an open-loop, streamed /v1/completions with `prompt` as token id
 Claude Code-shaped to /v1/messages and OpenAI-shaped to /v1/chat/completions, so the router renders and tokenises
 them; their ceiling comes from the router-side token ids of each request:
 
-    .venv/bin/python bench/routing.py --quick --workloads claude-code openai-tools \
+    .venv/bin/python -m bench.prefix_routing --quick --workloads claude-code openai-tools \
         --policies approximate precise "vllm-router cache_aware" --section prefix-routing-chat \
         --title "Chat traffic: Claude Code and OpenAI tool sessions" --docs docs/benchmarks.md
 """
@@ -33,27 +33,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import datetime as dt
 import http.client
 import itertools
 import json
 import os
-import shlex
-import signal
 import statistics
-import sys
 import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import harness as h
+from bench import routing_workloads as wl
+from bench import streamed  # the open-loop streamed client
+from bench.docs_section import write_section
 
-import router_overhead as ro  # noqa: E402  (shared setup: processes, database, installs)
-import routing_workloads as wl  # noqa: E402
-import streamed  # noqa: E402  (the open-loop streamed client)
-
-ROOT, PYTHON, MODEL, STATE = ro.ROOT, ro.PYTHON, ro.MODEL, ro.STATE
+ROOT, PYTHON, MODEL, STATE = h.ROOT, h.PYTHON, h.MODEL, h.STATE
 BENCH_DB = "bench_routing"
 BENCH_REDIS_DB = 14
 ENGINES = 8
@@ -77,8 +71,7 @@ CHAT_WORKLOADS = ("claude-code", "openai-tools")
 MAX_CHAT_PROMPT = MAX_MODEL_LEN - 4096  # chat sessions stop before a prompt would exceed this many tokens
 
 
-def log(message: str) -> None:
-    ro.log(message)
+log = h.log
 
 
 # --- engines, ingester, router -----------------------------------------------------------------------------
@@ -88,14 +81,14 @@ class Engine:
     def __init__(self, index: int, kv_blocks: int = KV_BLOCKS):
         self.index = index
         self.kv_blocks = kv_blocks
-        self.port = ro.free_port()
-        self.kv_port = ro.free_port()
-        self.replay_port = ro.free_port()
+        self.port = h.free_port()
+        self.kv_port = h.free_port()
+        self.replay_port = h.free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.name = f"{MODEL}-main-{index}"
         self.proc = None
 
-    def start(self, procs: ro.Processes) -> None:
+    def start(self, procs: h.Processes) -> None:
         events = {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
@@ -114,7 +107,7 @@ class Engine:
         self.proc = procs.start(f"routing-engine-{self.index}", argv, core=None, env={"PYTHONHASHSEED": "0"})
 
     def wait(self) -> None:
-        ro.wait_until(lambda: ro.http_get(self.port, "/health") == 200, self.proc, self.name, 120)
+        h.wait_until(lambda: h.http_get(self.port, "/health") == 200, self.proc, self.name, 120)
 
     def counters(self) -> dict[str, float]:
         import http.client
@@ -135,7 +128,7 @@ class Engine:
 
     def reset(self, deadline: float) -> None:
         while True:
-            status, body = ro.http_post(self.port, "/reset_prefix_cache", b"", {})
+            status, body = h.http_post(self.port, "/reset_prefix_cache", b"", {})
             if status == 200:
                 return
             if time.monotonic() > deadline:
@@ -143,18 +136,8 @@ class Engine:
             time.sleep(0.2)
 
 
-def prepare_database(base_url: str) -> str:
-    import psycopg
-
-    with psycopg.connect(base_url, autocommit=True) as conn:
-        conn.execute(f"DROP DATABASE IF EXISTS {BENCH_DB} WITH (FORCE)")
-        conn.execute(f"CREATE DATABASE {BENCH_DB}")
-    return ro.with_path(base_url, f"/{BENCH_DB}")
-
-
 def create_objects(env: dict, engines: list[Engine], team_quota: bool = False) -> tuple[str, int]:
     os.environ.update(env)
-    sys.path.insert(0, str(ROOT))
     import django
 
     django.setup()
@@ -222,14 +205,14 @@ class Scraper(threading.Thread):
 
 
 def start_router(
-    procs: ro.Processes,
+    procs: h.Processes,
     env: dict,
     tag: str,
     root: Path = ROOT,
     decision_log: bool = False,
     kv_blocks: int = KV_BLOCKS,
 ):
-    port = ro.free_port()
+    port = h.free_port()
     argv = [PYTHON, "-m", "uvicorn", "inference_platform.asgi:application", "--host", "127.0.0.1"]
     argv += ["--port", str(port), "--loop", "uvloop", "--http", "httptools", "--no-access-log"]
     argv += ["--workers", "1", "--log-level", "warning"]
@@ -239,12 +222,12 @@ def start_router(
         "ROUTER_DECISION_LOG_SAMPLE": "1" if decision_log else "0",
     }
     proc = procs.start(f"routing-router-{tag}", argv, core=None, env={**env, **extra}, cwd=root)
-    ro.wait_until(lambda: ro.http_get(port, "/health") == 200, proc, f"routing-router-{tag}", 120)
+    h.wait_until(lambda: h.http_get(port, "/health") == 200, proc, f"routing-router-{tag}", 120)
     return proc, port
 
 
-def start_vllm_router(procs: ro.Processes, venv: Path, engines: list[Engine], tag: str):
-    port = ro.free_port()
+def start_vllm_router(procs: h.Processes, venv: Path, engines: list[Engine], tag: str):
+    port = h.free_port()
     argv = [str(venv / "bin" / "vllm-router"), "--host", "127.0.0.1", "--port", str(port), "--worker-urls"]
     argv += [e.url for e in engines]
     argv += [
@@ -253,9 +236,9 @@ def start_vllm_router(procs: ro.Processes, venv: Path, engines: list[Engine], ta
         "--prometheus-host",
         "127.0.0.1",
         "--prometheus-port",
-        str(ro.free_port()),
+        str(h.free_port()),
     ]
-    proc = procs.start(f"routing-vllm-router-{tag}", argv, core=None, full_env=ro.peer_env())
+    proc = procs.start(f"routing-vllm-router-{tag}", argv, core=None, full_env=h.peer_env())
     return proc, port
 
 
@@ -329,19 +312,6 @@ def summarize(results: list[dict], before: list[dict], after: list[dict], ceilin
 
 
 # --- main ---------------------------------------------------------------------------------------------------
-
-
-def git_head(tree: Path = ROOT) -> str:
-    """The tree's commit, with a mark when its routing code has changes not committed."""
-    import subprocess
-
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=tree, capture_output=True, text=True).stdout.strip()
-
-    head = git("rev-parse", "--short", "HEAD") or "?"
-    return (
-        f"{head} (with uncommitted changes to routing/)" if git("status", "--porcelain", "routing") else head
-    )
 
 
 def fmt(value: float, digits: int = 1) -> str:
@@ -514,10 +484,6 @@ def write_requests(folder: Path, workload: str, policy: str, round_no: int, resu
             out.write(json.dumps({"i": i, **record}) + "\n")
 
 
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
-
-
 def workloads(quick: bool, names: list[str]) -> dict[str, tuple[list[wl.Req], dict]]:
     duration = 8.0 if quick else 30.0
     out = {}
@@ -542,7 +508,6 @@ def workloads(quick: bool, names: list[str]) -> dict[str, tuple[list[wl.Req], di
 
 def chat_tokenizer():
     """The router's tokenizer for the bench's model: the chat workloads' prompts as the router renders them."""
-    sys.path.insert(0, str(ROOT))
     from routing.tokenize import RouterTokenizer
 
     return RouterTokenizer(ROOT / "models" / MODEL)
@@ -554,14 +519,7 @@ def chat_bodies(reqs: list[wl.Req]) -> list[bytes]:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    if not (os.environ.get("DATABASE_URL") and os.environ.get("REDIS_URL")):
-        if os.environ.get("BENCH_UNDER_DEVSTACK"):
-            raise SystemExit("the devstack did not provide DATABASE_URL and REDIS_URL")
-        log("no DATABASE_URL / REDIS_URL: re-running under the devstack (embedded PostgreSQL and Redis)")
-        env = {**os.environ, "BENCH_UNDER_DEVSTACK": "1"}
-        cmd = [PYTHON, "-m", "inference_platform.devstack", "exec", "--", PYTHON, str(Path(__file__)), *argv]
-        os.chdir(ROOT)
-        os.execve(PYTHON, cmd, env)
+    h.under_devstack("prefix_routing", argv, ("DATABASE_URL", "REDIS_URL"))
 
     started = time.monotonic()
     STATE.mkdir(parents=True, exist_ok=True)
@@ -570,15 +528,13 @@ def main(argv: list[str]) -> int:
     router_root = Path(args.router_root).resolve() if args.router_root else ROOT
     replicas = args.router_replicas
     policies = [p for p in args.policies if not (args.skip_peer and p.startswith("vllm-router"))]
-    procs = ro.Processes()
-    signal.signal(signal.SIGTERM, _interrupt)
-    redis_url = ro.with_path(os.environ["REDIS_URL"], f"/{BENCH_REDIS_DB}")
-    scraper = None
-    try:
+    redis_url = h.with_path(os.environ["REDIS_URL"], f"/{BENCH_REDIS_DB}")
+    with h.Processes() as procs:
+        procs.after_stop(lambda: h.flush_redis(redis_url))
         installer = None
         if any(p.startswith("vllm-router") for p in policies):
-            spec = ro.PEERS["vllm-router"]["spec"]
-            installer = ro.Installer("vllm-router", spec, 600)
+            spec = h.PEERS["vllm-router"]["spec"]
+            installer = h.Installer("vllm-router", spec, 600)
             installer.start()
 
         import redis
@@ -586,12 +542,12 @@ def main(argv: list[str]) -> int:
         rclient = redis.Redis.from_url(redis_url)
         rclient.flushdb()
         log(f"database {BENCH_DB} (dropped and re-created), Redis db {BENCH_REDIS_DB} (flushed)")
-        env = ro.platform_env(prepare_database(os.environ["DATABASE_URL"]), redis_url)
+        env = h.platform_env(h.fresh_database(os.environ["DATABASE_URL"], BENCH_DB), redis_url)
         kv_blocks = args.kv_blocks
         engines = [Engine(i, kv_blocks) for i in range(ENGINES)]
         for engine in engines:
             engine.start(procs)
-        ro.migrate(env)
+        h.migrate(env)
         for engine in engines:
             engine.wait()
         key, deployment_id = create_objects(env, engines, args.team_quota)
@@ -600,6 +556,7 @@ def main(argv: list[str]) -> int:
         )
         scraper = Scraper()
         scraper.start()
+        procs.before_stop(scraper.stop.set)
         log(f"{ENGINES} engines up ({kv_blocks} blocks of {BLOCK} tokens each), ingester pid {ingester.pid}")
 
         loads = workloads(args.quick, args.workloads)
@@ -644,8 +601,8 @@ def main(argv: list[str]) -> int:
                     try:
                         probe = streamed.completion_bodies(MODEL, [wl.Req(0, [1], 300, 2)])[0]
                         for r, (proc, port) in enumerate(replicas_up):
-                            ro.wait_until(
-                                lambda p=port, b=probe: ro.http_post(p, "/v1/completions", b, {})[0] == 200,
+                            h.wait_until(
+                                lambda p=port, b=probe: h.http_post(p, "/v1/completions", b, {})[0] == 200,
                                 proc,
                                 f"routing-vllm-router-{tag}-{r}",
                                 60,
@@ -656,7 +613,7 @@ def main(argv: list[str]) -> int:
                                 "max_tokens": 2,
                                 "messages": [{"role": "user", "content": "hi"}],
                             }
-                            status, answer = ro.http_post(
+                            status, answer = h.http_post(
                                 replicas_up[0][1],
                                 reqs[0].path,
                                 json.dumps(small).encode(),
@@ -695,13 +652,13 @@ def main(argv: list[str]) -> int:
                     ]
                     headers = {"Authorization": f"Bearer {key}"}
                 before = [e.counters() for e in engines]
-                cpu0 = sum(ro.tree_cpu(proc.pid) for proc, _ in replicas_up)
+                cpu0 = sum(h.tree_cpu(proc.pid) for proc, _ in replicas_up)
                 t0 = time.monotonic()
                 results = asyncio.run(
                     streamed.replay([port for _, port in replicas_up], headers, reqs, bodies)
                 )
                 elapsed = time.monotonic() - t0
-                cpu = sum(ro.tree_cpu(proc.pid) for proc, _ in replicas_up) - cpu0
+                cpu = sum(h.tree_cpu(proc.pid) for proc, _ in replicas_up) - cpu0
                 time.sleep(0.3)
                 after = [e.counters() for e in engines]
                 costs = {}
@@ -749,21 +706,10 @@ def main(argv: list[str]) -> int:
         print()
         print(block)
         if docs:
-            ro.write_section(docs, args.section, block, "Prefix-aware routing", "bench/routing.py")
+            write_section(docs, args.section, block, "Prefix-aware routing", "bench/prefix_routing.py")
             log(f"wrote {docs}")
         log(f"done in {time.monotonic() - started:.0f} s")
         return 0
-    except KeyboardInterrupt:
-        log("interrupted; stopping everything")
-        return 130
-    finally:
-        if scraper is not None:
-            scraper.stop.set()
-        procs.stop_all()
-        with contextlib.suppress(Exception):
-            import redis
-
-            redis.Redis.from_url(redis_url).flushdb()
 
 
 def merge_runs(runs: list[dict]) -> dict:
@@ -801,8 +747,6 @@ def default_title(args) -> str:
 
 
 def report(args, argv, rows, meta, policies, loads) -> str:
-    when = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    command = (".venv/bin/python bench/routing.py " + shlex.join(argv)).strip()
     routers = "one uvicorn worker"
     if args.router_replicas > 1:
         routers = (
@@ -820,7 +764,7 @@ def report(args, argv, rows, meta, policies, loads) -> str:
     lines = [
         f"### {args.title or default_title(args)}",
         "",
-        f"- Date: {when}. Machine: {ro.machine()}. Command: `{command}`.",
+        h.header("prefix_routing", argv),
         f"{rounds}- Engines: {ENGINES} simulators, KV cache {kv} blocks x {BLOCK} tokens each "
         f"({kv * BLOCK:,} tokens; {ENGINES * kv:,} blocks in the fleet), "
         + ", ".join(f"`{k} {v}`" for k, v in SIM_TIMING.items())
@@ -849,7 +793,7 @@ def report(args, argv, rows, meta, policies, loads) -> str:
         "- Router added: the mean time from a request's arrival at our router to its sending to an engine (the "
         "router's `router_added_latency_seconds`; for precise it includes the index's round trip to Redis); "
         "vllm-router does not report it.",
-        f"- Our router at commit {git_head(Path(args.router_root) if args.router_root else ROOT)}.",
+        f"- Our router at commit {h.git_head(Path(args.router_root) if args.router_root else ROOT)}.",
     ]
     if only_chat:
         lines = [line for line in lines if not line.startswith("- Requests (Mooncake")]
@@ -1011,4 +955,4 @@ def chat_table(rows, policies, chat, meta) -> list[str]:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    h.run(main)

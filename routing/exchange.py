@@ -1,0 +1,462 @@
+"""One admitted request's trip to an engine and back: choosing the engine (with retries), relaying the answer as
+it streams, and settling and metering it once. Over 400 lines: the relay and the billing of a request cut short
+read each other's state, and stay together."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, NamedTuple
+
+import orjson
+
+from . import metrics
+from .admission import cost_units
+from .dialects import OPENAI, Dialect, Usage
+from .disagg import prefill_elsewhere
+from .flow import QueueTimeout, Ticket
+from .framework import RequestContext
+from .load import RECENT_WINDOW_S, EndpointLoad, Prefill
+from .state import DeploymentInfo, KeyInfo
+from .steps import request_weight
+from .upstream import Response, UpstreamConnectError, UpstreamError, UpstreamTimeout
+from .wire import JSON_HEADERS, Receive, Send, encode_headers, respond
+
+if TYPE_CHECKING:
+    from .app import Router
+
+log = logging.getLogger(__name__)
+
+
+class RequestInfo(NamedTuple):
+    """An admitted request, as the exchange serves it: fixed once admission took its reservation."""
+
+    scope: dict
+    dialect: Dialect
+    deployment: DeploymentInfo
+    key: KeyInfo
+    request_id: str
+    payload: dict  # the fields sent on to the engine
+    body: bytes  # `payload` as JSON
+    stream: bool
+    client_wants_usage: bool  # the client asked for a usage chunk at the end of the stream
+    running_usage: bool  # the client asked for usage in every chunk itself
+    input_bound: int  # the prompt's tokens at most, as reserved
+    started: float  # perf_counter at arrival
+    headers: dict  # admission's rate-limit headers, for the response
+    ctx: RequestContext
+    prices: object  # the price sheet spend is counted with, under a spend budget (else None)
+    reservation: object  # admission's, settled by `complete`
+    priority: str = "standard"  # its class under flow control (routing/flow.py)
+    output_bound: int = 0  # its output tokens at most, as reserved
+
+
+class Exchange:
+    """One request's trip to an engine and back, with retries, streaming and accounting."""
+
+    def __init__(self, router: Router, request: RequestInfo, receive: Receive, send: Send):
+        self.router, self.request, self.receive, self.send = router, request, receive, send
+        self.usage = Usage()
+        self.status = "failed"
+        self.http_status = 502
+        self.endpoint_url = ""
+        self.endpoint_name = ""
+        self.first_byte_at: float | None = None
+        # While the chosen engine prefills this prompt: its load, and the tokens added to its prefill backlog.
+        self._prefilling: tuple[EndpointLoad, Prefill] | None = None
+        # True once a prefill engine computed the prompt and the decode engine is to pull its KV.
+        self.prefilled_remotely = False
+        self.streamed_events = 0
+        self.predicted_cached = 0
+        self.pd_done = False
+        self.prefill_usage: Usage | None = None
+        self.prefill_endpoint = ""
+        # Billing a request cut short: whether an engine took the prompt, and its count of the prompt's tokens
+        # from the first chunk; before that, the router's count (or `input_bound` when it did not tokenize).
+        self.dispatched = False
+        self.engine_prompt: int | None = None
+        self.first_token_timeout = request.deployment.first_token_timeout
+        self.response_started = False
+        self.stall_timeout = request.deployment.stall_timeout
+        self._completed = False
+        self.ticket: Ticket | None = None  # its turn under flow control, once let through
+        self.queued_s: float | None = None  # how long it waited for that turn
+
+    @property
+    def model(self) -> str:
+        return self.request.deployment.served_model_name
+
+    async def complete(self) -> None:
+        """Settle the reservation and meter the request, once, before the client can see the end of the answer,
+        so a concurrency slot is free again by the time the client could send its next request. The router also
+        calls it (shielded) once the exchange is over, for a request that ended any other way."""
+        if self._completed:
+            return
+        self._completed = True
+        self.finalize_usage()
+        request, usage = self.request, self.usage
+        spend = cost_units(request.prices, usage.prompt_tokens, usage.cached_tokens, usage.output_tokens)
+        router = self.router
+        try:
+            await router.finisher.finish(
+                request.reservation,
+                input_tokens=usage.prompt_tokens,
+                output_tokens=usage.output_tokens,
+                spend=spend,
+                event=self.usage_event(),
+            )
+            if request.ctx.block_count and usage.reported:
+                router.prefix.observe(
+                    request.deployment,
+                    self.endpoint_name,
+                    self.predicted_cached,
+                    usage.prompt_tokens,
+                    usage.cached_tokens,
+                )
+        except Exception:
+            log.exception("could not settle or meter request %s", request.request_id)
+
+    async def run(self) -> None:
+        watcher = asyncio.get_running_loop().create_task(self._watch_disconnect(asyncio.current_task()))
+        try:
+            if await self._wait_turn():
+                await self._attempts()
+        except asyncio.CancelledError:
+            if watcher.done() and not watcher.cancelled() and watcher.result():
+                self.status = "cancelled"
+                self.http_status = 499
+                return  # the client went away: nothing left to send
+            raise
+        finally:
+            watcher.cancel()
+            self.finalize_usage()
+            if self.ticket is not None:
+                usage = self.usage
+                work = max(0, usage.prompt_tokens - usage.cached_tokens) + usage.output_tokens
+                self.ticket.finish(work, usage.output_tokens if self.status == "completed" else None)
+            metrics.of(metrics.requests, self.model, self.endpoint_name, str(self.http_status)).inc()
+            metrics.of(metrics.latency, self.model, self.endpoint_name).observe(
+                time.perf_counter() - self.request.started
+            )
+            for kind, value in (
+                ("prompt", self.usage.prompt_tokens),
+                ("cached_prompt", self.usage.cached_tokens),
+                ("output", self.usage.output_tokens),
+            ):
+                if value:
+                    metrics.of(metrics.tokens, self.model, self.endpoint_name, kind).inc(value)
+
+    async def _wait_turn(self) -> bool:
+        """Wait in the router while the deployment is saturated (routing/flow.py). False: it waited past its
+        class's limit and was refused (429, or Anthropic's overloaded error), nothing billed. A client that goes
+        away meanwhile cancels the wait, and it leaves the queue."""
+        request, flow = self.request, self.router.flow
+        ctx = request.ctx
+        held = max((h.blocks for h in ctx.held.values()), default=0) * request.deployment.block_size
+        uncached = (ctx.prompt_tokens_estimate or request.input_bound) - held
+        work = flow.estimate(flow.flow(request.deployment), uncached, request.output_bound)
+        try:
+            self.ticket = await flow.enter(
+                request.deployment, request.key, request.priority, work, request.started
+            )
+        except QueueTimeout as exc:
+            self.queued_s = exc.waited
+            self.status = "rejected"
+            self.http_status = request.dialect.overloaded_status
+            message = (
+                f"The model `{self.model}` is saturated: this `{request.priority}` request waited "
+                f"{exc.waited:.0f} s for its turn. Retry after {exc.retry_after} s."
+            )
+            await respond(
+                self.send,
+                self.http_status,
+                request.dialect.error_body(self.http_status, message, code="overloaded"),
+                JSON_HEADERS + [(b"retry-after", str(exc.retry_after).encode())],
+            )
+            return False
+        self.queued_s = self.ticket.queued_s
+        return True
+
+    async def _watch_disconnect(self, task: asyncio.Task) -> bool:
+        while True:
+            message = await self.receive()
+            if message["type"] == "http.disconnect":
+                task.cancel()
+                return True
+
+    async def _attempts(self) -> None:
+        request, router = self.request, self.router
+        ctx = request.ctx
+        tried: set[int] = set()
+        last_error = "no healthy endpoint serves this model"
+        for _ in range(router.max_attempts):
+            ctx.exclude = frozenset(tried)
+            candidate, candidates = router.pipeline.choose(request.deployment, ctx, router.loads)
+            if candidate is None:
+                break
+            self.predicted_cached = router.prefix.chosen(
+                request.deployment, ctx, candidate, candidates, request.request_id
+            )
+            endpoint = candidate.endpoint
+            tried.add(endpoint.id)
+            self.endpoint_url, self.endpoint_name = endpoint.url, endpoint.name
+            body = await prefill_elsewhere(self, candidate, candidates)
+            load = router.loads.setdefault(endpoint.id, EndpointLoad())
+            weight = request_weight(ctx.prompt_tokens_estimate, self.predicted_cached)
+            load.begin(weight)
+            if self.ticket is not None:
+                self.ticket.started()
+            load.assigned(time.monotonic(), RECENT_WINDOW_S, weight)
+            # The engine's prefill backlog grows by what it must compute of this prompt (nothing when a prefill
+            # engine computed it), until the first token streams back; an answer not streamed holds it to its end.
+            uncached = 0 if self.prefilled_remotely else ctx.prompt_tokens_estimate - self.predicted_cached
+            self._prefilling = load, load.prefill_began(float(max(0, uncached)), time.monotonic())
+            try:
+                if await self._try(endpoint.url, body):
+                    return
+                last_error = f"engine {endpoint.name} answered {self.http_status}"
+            except UpstreamError as exc:
+                self.dispatched = False  # it answered nothing: the prompt is not billed
+                last_error = f"could not reach engine {endpoint.name}: {exc.__class__.__name__}"
+                log.warning("request %s: %s (%s)", request.request_id, last_error, exc)
+                metrics.of(metrics.errors, self.model, "connect").inc()
+            finally:
+                load.end(weight)
+                self._prefill_done()
+        self.http_status = 503 if not tried else 502
+        metrics.of(metrics.errors, self.model, "unavailable").inc()
+        await respond(
+            self.send,
+            self.http_status,
+            request.dialect.error_body(
+                self.http_status, f"The model is unavailable right now ({last_error}). Retry shortly."
+            ),
+            JSON_HEADERS,
+        )
+
+    async def _try(self, base_url: str, body: bytes) -> bool:
+        """One attempt. False means: failed before anything reached the client, so another engine may serve it."""
+        sent_at = time.perf_counter()
+        self.dispatched = True
+        try:
+            async with asyncio.timeout(self.first_token_timeout) as deadline:
+                async with self.router.upstream.post(
+                    base_url + self.request.scope["path"], body, self.upstream_headers()
+                ) as resp:
+                    metrics.of(metrics.added, self.model).observe(sent_at - self.request.started)
+                    if resp.status >= 500:
+                        self.http_status = resp.status
+                        self.dispatched = False
+                        await resp.read()
+                        metrics.of(metrics.errors, self.model, "upstream_5xx").inc()
+                        return False
+                    self.http_status = resp.status
+                    if resp.status != 200:
+                        self.dispatched = False  # the engine refused it: nothing was computed
+                    if self.request.stream and resp.status == 200:
+                        await self._relay_stream(resp, deadline)
+                    else:
+                        await self._relay_body(resp)
+        except UpstreamConnectError:
+            self.dispatched = False
+            raise
+        except TimeoutError:
+            if self.first_byte_at is not None:
+                raise  # handled in the relay; not reached
+            # Nothing reached the client: another engine may serve it (this one drops the request as the
+            # connection closes).
+            self.dispatched = False
+            metrics.of(metrics.errors, self.model, "first_token_timeout").inc()
+            raise UpstreamTimeout(f"no first token within {self.first_token_timeout:g} s") from None
+        return True
+
+    def upstream_headers(self) -> list[tuple[str, str]]:
+        """Only the router's own headers: never the client's key. The engine key proves the call comes from
+        the router (engines on Kubernetes require it)."""
+        return [
+            ("content-type", "application/json"),
+            ("x-request-id", self.request.request_id),
+            ("authorization", f"Bearer {self.request.deployment.engine_key}"),
+        ]
+
+    async def _relay_body(self, resp: Response) -> None:
+        body = await resp.read()
+        self._first_byte()
+        if resp.status == 200:
+            try:
+                self.usage = self.request.dialect.usage_from_body(orjson.loads(body))
+            except orjson.JSONDecodeError:
+                pass
+            self.status = "completed"
+        await self.complete()
+        await respond(self.send, resp.status, body, self._response_headers(resp))
+
+    async def _relay_stream(self, resp: Response, deadline: asyncio.Timeout) -> None:
+        """Pass the engine's events on as they come. The response starts with the first event, so an engine that
+        sends nothing within the first-token limit can be given up for another; then each piece must follow the
+        last within the stall limit. Running usage the router asked for is taken out of the client's events."""
+        dialect = self.request.dialect
+        strip = dialect is OPENAI and not self.request.running_usage
+        client_wants_usage = self.request.client_wants_usage
+        buffer = b""
+        chunks = resp.chunks().__aiter__()
+        try:
+            while True:
+                try:
+                    if self.first_byte_at is None and not buffer:
+                        chunk = await anext(chunks)  # under the first-token deadline
+                        deadline.reschedule(None)
+                    else:
+                        async with asyncio.timeout(self.stall_timeout):
+                            chunk = await anext(chunks)
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    metrics.of(metrics.errors, self.model, "stall_timeout").inc()
+                    raise UpstreamTimeout(f"nothing for {self.stall_timeout:g} s") from None
+                buffer += chunk
+                end = buffer.rfind(b"\n\n") + 2
+                if end < 2:
+                    continue
+                whole, buffer = buffer[:end], buffer[end:]
+                plain = dialect.plain_prefix(whole)
+                out = []
+                if plain:
+                    self.streamed_events += whole.count(dialect.CONTENT_MARKER, 0, plain)
+                    out.append(whole[:plain])
+                for event in whole[plain:-2].split(b"\n\n") if plain < end else ():
+                    usage = dialect.usage_from_event(event)
+                    if usage is not None:
+                        self.usage = usage
+                        if not client_wants_usage and dialect.is_usage_only_event(event):
+                            continue
+                    else:
+                        if self.engine_prompt is None:
+                            self.engine_prompt = dialect.prompt_from_event(event)
+                        if dialect.is_content_event(event):
+                            self.streamed_events += 1
+                            if strip:
+                                event = dialect.without_running_usage(event)
+                    if dialect.is_terminal_event(event):
+                        if out:  # what came before the end goes out now, not after the settlement
+                            await self._send_events(resp, b"".join(out))
+                            out = []
+                        self.status = "completed"
+                        await self.complete()
+                    out.append(event + b"\n\n")
+                if out:
+                    await self._send_events(resp, b"".join(out))
+                if self.streamed_events and self._prefilling is not None:
+                    self._prefill_done(first_token=True)  # the engine's prefill of this prompt is over
+        except UpstreamError as exc:
+            if not self.response_started:
+                raise  # nothing reached the client: another engine may serve it
+            # The engine died or stalled mid-stream: tell the client in its dialect, bill what was streamed.
+            metrics.of(metrics.errors, self.model, "midstream").inc()
+            self.usage.output_tokens = max(self.usage.output_tokens, self.streamed_events)
+            self.status = "failed"
+            self.http_status = 502
+            await self.complete()
+            await self._start_response(resp)
+            await self.send(
+                {
+                    "type": "http.response.body",
+                    "more_body": False,
+                    "body": dialect.stream_error_event(
+                        502,
+                        f"The engine stopped in the middle of the answer ({exc}). "
+                        "The tokens received so far are billed; retry to get a full answer.",
+                    ),
+                }
+            )
+            return
+        if buffer.strip():
+            await self._send_events(resp, buffer)
+        self.status = "completed"
+        await self.complete()
+        await self._start_response(resp)
+        await self.send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _start_response(self, resp: Response) -> None:
+        if not self.response_started:
+            self.response_started = True
+            await self.send(
+                {"type": "http.response.start", "status": 200, "headers": self._response_headers(resp)}
+            )
+
+    async def _send_events(self, resp: Response, data: bytes) -> None:
+        self._first_byte()
+        if not self.response_started:
+            await self._start_response(resp)
+        await self.send({"type": "http.response.body", "body": data, "more_body": True})
+
+    def _prefill_done(self, first_token: bool = False) -> None:
+        if self._prefilling is not None:
+            load, lane = self._prefilling
+            load.prefill_ended(lane, time.monotonic(), first_token)
+            self._prefilling = None
+
+    def _first_byte(self) -> None:
+        if self.first_byte_at is None:
+            self.first_byte_at = time.perf_counter()
+            metrics.of(metrics.ttft, self.model, self.endpoint_name).observe(
+                self.first_byte_at - self.request.started
+            )
+
+    def _response_headers(self, resp: Response) -> list[tuple[bytes, bytes]]:
+        content_type = resp.header(b"content-type", b"application/json")
+        headers = [(b"content-type", content_type), (b"x-request-id", self.request.request_id.encode())]
+        if self.request.stream:
+            headers.append((b"cache-control", b"no-cache"))
+        return headers + encode_headers(self.request.headers)
+
+    def finalize_usage(self) -> None:
+        """The usage to bill, once the answer is over or has failed. Safe to call more than once.
+
+        The engine's final usage when it sent one. A request cut short (the client went away, the engine died or
+        stalled) after an engine took it pays for its prompt all the same: the engine's count of the prompt from
+        its first chunk, or before that the router's own count (its bound when it did not tokenize), with the
+        cached part the router predicted; and for its output, what reached the client."""
+        if self.prefill_usage is not None and self.usage.reported:
+            # The prompt counts once, with the cached tokens of the leg that did the prefill.
+            self.usage.cached_tokens = min(self.prefill_usage.cached_tokens, self.usage.prompt_tokens)
+        if self.usage.reported or self.status == "completed":
+            return
+        self.usage.output_tokens = max(self.usage.output_tokens, self.streamed_events)
+        if self.prefill_usage is not None and self.prefill_usage.reported:
+            # A prefill engine computed the prompt and said so.
+            self.usage.prompt_tokens = max(self.usage.prompt_tokens, self.prefill_usage.prompt_tokens)
+            self.usage.cached_tokens = min(self.prefill_usage.cached_tokens, self.usage.prompt_tokens)
+        elif self.dispatched:
+            if self.engine_prompt is not None:
+                prompt = self.engine_prompt
+            else:
+                prompt = self.request.ctx.prompt_tokens_estimate or self.request.input_bound
+            self.usage.prompt_tokens = max(self.usage.prompt_tokens, prompt)
+            self.usage.cached_tokens = min(self.predicted_cached, self.usage.prompt_tokens)
+
+    def usage_event(self):
+        from tenants.usage_stream import UsageEvent
+
+        request = self.request
+        key = request.key
+        return UsageEvent(
+            request_id=request.request_id,
+            tenant_id=key.tenant_id,
+            team_id=key.team_id,
+            api_key_id=key.id,
+            deployment_id=request.deployment.id,
+            model=self.model,
+            endpoint=self.endpoint_url,
+            prompt_tokens=self.usage.prompt_tokens,
+            cached_prompt_tokens=min(self.usage.cached_tokens, self.usage.prompt_tokens),
+            output_tokens=self.usage.output_tokens,
+            ttft_ms=round((self.first_byte_at - request.started) * 1000) if self.first_byte_at else None,
+            latency_ms=round((time.perf_counter() - request.started) * 1000),
+            status=self.status,
+            created_at=datetime.now(UTC),
+            priority_class=request.priority,
+            queued_ms=round(self.queued_s * 1000) if self.queued_s is not None else None,
+        )

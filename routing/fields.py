@@ -1,0 +1,256 @@
+"""Which request fields reach an engine: those the public APIs define, per route, and nothing else.
+
+An engine trusts its caller: vLLM reads engine-internal fields (`kv_transfer_params`, `cache_salt`, `priority`,
+a whole `chat_template`, custom logits processors) from the same JSON body as the sampling parameters. A client's
+body is therefore cut down to the fields listed here before it is forwarded; the router then sets the internal
+ones itself. A field that would change how the prompt is rendered, or that makes the engine fetch a URL, is
+refused with a 400 rather than dropped, so the client learns why its request would not mean what it asked.
+docs/request-fields.md lists the fields per route.
+"""
+
+from __future__ import annotations
+
+# Sampling and output controls vLLM takes on top of OpenAI's, on chat and text completions.
+VLLM_SAMPLING = frozenset(
+    {
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "length_penalty",
+        "stop_token_ids",
+        "include_stop_str_in_output",
+        "ignore_eos",
+        "min_tokens",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+        "truncate_prompt_tokens",
+        "prompt_logprobs",
+        "allowed_token_ids",
+        "bad_words",
+        "structured_outputs",
+        "return_tokens_as_token_ids",
+        "return_token_ids",
+        "return_token_offsets",
+        "logprob_token_ids",
+        "thinking_token_budget",
+        "repetition_detection",
+        "stream_interval",
+    }
+)
+
+OPENAI_SHARED = frozenset(
+    {
+        "model",
+        "stream",
+        "stream_options",
+        "temperature",
+        "top_p",
+        "n",
+        "stop",
+        "presence_penalty",
+        "frequency_penalty",
+        "logit_bias",
+        "logprobs",
+        "seed",
+        "user",
+        "response_format",
+    }
+)
+
+CHAT_COMPLETIONS = (
+    OPENAI_SHARED
+    | VLLM_SAMPLING
+    | frozenset(
+        {
+            "messages",
+            "max_tokens",
+            "max_completion_tokens",
+            "top_logprobs",
+            "tools",
+            "tool_choice",
+            "parallel_tool_calls",
+            "functions",
+            "function_call",
+            "reasoning_effort",
+            "metadata",
+            "store",
+            "service_tier",
+            "prompt_cache_key",
+            "safety_identifier",
+            "verbosity",
+            "modalities",
+            "prediction",
+            "web_search_options",
+            "include_reasoning",
+            # Template options the router's own renderer applies too (routing/tokenize.py).
+            "add_generation_prompt",
+            "continue_final_message",
+            "chat_template_kwargs",
+            "echo",
+            "add_special_tokens",
+            "documents",
+        }
+    )
+)
+
+COMPLETIONS = (
+    OPENAI_SHARED
+    | VLLM_SAMPLING
+    | frozenset({"prompt", "max_tokens", "echo", "suffix", "best_of", "add_special_tokens"})
+)
+
+MESSAGES = frozenset(
+    {
+        "model",
+        "messages",
+        "system",
+        "max_tokens",
+        "metadata",
+        "stop_sequences",
+        "stream",
+        "temperature",
+        "top_p",
+        "top_k",
+        "tools",
+        "tool_choice",
+        "thinking",
+        "service_tier",
+        "context_management",
+        "output_format",
+        "output_config",
+        "chat_template_kwargs",
+    }
+)
+
+RESPONSES = frozenset(
+    {
+        "model",
+        "input",
+        "instructions",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "max_output_tokens",
+        "max_tool_calls",
+        "temperature",
+        "top_p",
+        "top_logprobs",
+        "stream",
+        "store",
+        "reasoning",
+        "text",
+        "include",
+        "metadata",
+        "prompt_cache_key",
+        "safety_identifier",
+        "service_tier",
+        "truncation",
+        "user",
+        "previous_response_id",
+        "background",
+        # vLLM's sampling extras on this route
+        "frequency_penalty",
+        "presence_penalty",
+        "logit_bias",
+        "seed",
+        "stop",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "ignore_eos",
+        "include_stop_str_in_output",
+        "skip_special_tokens",
+        "stop_token_ids",
+        "structured_outputs",
+        "include_reasoning",
+        "chat_template_kwargs",
+    }
+)
+
+ALLOWED: dict[str, frozenset[str]] = {
+    "/v1/chat/completions": CHAT_COMPLETIONS,
+    "/v1/completions": COMPLETIONS,
+    "/v1/messages": MESSAGES,
+    "/v1/responses": RESPONSES,
+}
+
+# Fields a client may not set, with what to do instead: each would change what the engine renders or runs.
+REFUSED = {
+    "chat_template": "The chat template is the deployment's: ask the operator to change it, or remove "
+    "`chat_template` from the request.",
+    "logits_processors": "Custom logits processors are not available through this gateway: remove "
+    "`logits_processors`.",
+}
+
+
+class FieldError(ValueError):
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+def public_fields(payload: dict, path: str) -> tuple[dict, list[str]]:
+    """The request as the engine may see it, and the names of the fields dropped (for the log and a header).
+    Raises FieldError for a field that must not be silently dropped."""
+    allowed = ALLOWED[path]
+    for name, reason in REFUSED.items():
+        if name in payload:
+            raise FieldError(reason, name)
+    template_options = payload.get("chat_template_kwargs")
+    if isinstance(template_options, dict) and "chat_template" in template_options:
+        raise FieldError(REFUSED["chat_template"], "chat_template_kwargs")
+    if path == "/v1/responses" and payload.get("background"):
+        raise FieldError(
+            "Background responses are not available: this gateway keeps no stored responses. Remove "
+            "`background`, and stream the answer or wait for it.",
+            "background",
+        )
+    if payload.keys() <= allowed:
+        return payload, []
+    kept = {name: value for name, value in payload.items() if name in allowed}
+    return kept, sorted(name for name in payload if name not in allowed)
+
+
+def remote_media(payload: dict, path: str) -> str | None:
+    """The first media part that names a URL for the engine to fetch (rather than carrying its data), as
+    `messages[i].content[j]`, or None. An engine fetching a client's URL would reach whatever the engine's
+    network reaches."""
+    if path == "/v1/responses":
+        items = payload.get("input")
+        where = "input"
+    else:
+        items = payload.get("messages")
+        where = "messages"
+    if not isinstance(items, list):
+        return None
+    for i, message in enumerate(items):
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            continue
+        for j, part in enumerate(content):
+            if _fetches(part):
+                return f"{where}[{i}].content[{j}]"
+            if isinstance(part, dict) and isinstance(part.get("content"), list):  # an Anthropic tool_result
+                for k, item in enumerate(part["content"]):
+                    if _fetches(item):
+                        return f"{where}[{i}].content[{j}].content[{k}]"
+    return None
+
+
+def _fetches(part) -> bool:
+    if not isinstance(part, dict):
+        return False
+    kind = part.get("type")
+    if kind in ("image_url", "audio_url", "video_url"):
+        value = part.get(kind)
+        url = value.get("url") if isinstance(value, dict) else value
+        return isinstance(url, str) and not url.startswith("data:")
+    if kind == "input_image":
+        url = part.get("image_url")
+        return isinstance(url, str) and not url.startswith("data:")
+    if kind in ("image", "document"):
+        source = part.get("source")
+        return isinstance(source, dict) and source.get("type") == "url"
+    if kind == "file":
+        return isinstance(part.get("file_url"), str)
+    return False

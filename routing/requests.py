@@ -1,0 +1,323 @@
+"""A generation request from bytes to checked fields, as pure functions: authentication against the snapshot,
+reading and parsing the body, the deployment it names, the fields sent on to the engine, and the limits checked
+before admission (with the token bounds the reservation takes). Each refusal is an HttpError."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from array import array
+from datetime import UTC, datetime
+from typing import Protocol
+
+import orjson
+
+from . import metrics
+from .dialects import ANTHROPIC, Dialect, first_media_part
+from .fields import FieldError, public_fields, remote_media
+from .flow import CLASSES as PRIORITY_CLASSES
+from .pipeline import RequestContext
+from .state import DeploymentInfo, KeyInfo, Snapshot
+from .tokenize import RouterTokenizer, token_ids
+from .wire import Receive, header
+
+log = logging.getLogger(__name__)
+
+# A token is a few bytes of text; JSON escapes, per-message structure and inline media take more.
+BODY_BYTES_PER_TOKEN = 32
+BODY_FLOOR_BYTES = 1024 * 1024
+
+
+class ClientGone(Exception):
+    pass
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.headers = status, message, param, headers or {}
+
+
+class Tokenizers(Protocol):
+    def tokenizer_for(self, deployment: DeploymentInfo) -> RouterTokenizer | None: ...
+
+
+def authenticate(snapshot: Snapshot, headers: list, pepper: bytes, keys_unconfirmed: bool) -> KeyInfo:
+    """The key a request's `Authorization: Bearer` or `x-api-key` header names, from the snapshot.
+    `keys_unconfirmed`: revocations could not be read for too long, so every key is refused (503)."""
+    raw = None
+    for name, value in headers:
+        if name == b"authorization":
+            parts = value.split(None, 1)
+            if len(parts) == 2 and parts[0].lower() == b"bearer":
+                raw = parts[1].strip()
+        elif name == b"x-api-key":
+            raw = value.strip()
+    if not raw:
+        raise HttpError(401, "Missing API key: send `Authorization: Bearer <key>` or `x-api-key: <key>`.")
+    if keys_unconfirmed:
+        # Refuse rather than trust keys that may be revoked.
+        raise HttpError(
+            503,
+            "The gateway cannot confirm API keys right now (its configuration store is unreachable). "
+            "Retry shortly.",
+            headers={"retry-after": "5"},
+        )
+    digest = hmac.new(pepper, raw, "sha256").hexdigest()
+    key = snapshot.keys.get(digest)
+    if key is None:
+        raise HttpError(401, "Invalid, expired or revoked API key.")
+    if key.expires_at is not None and key.expires_at <= datetime.now(UTC):
+        raise HttpError(401, "This API key has expired.")
+    if "inference" not in key.scopes:
+        raise HttpError(403, "This API key lacks the inference scope.")
+    return key
+
+
+def body_limit(snapshot: Snapshot, ceiling: int) -> int:
+    """The largest request body worth reading: what the longest context served could take as JSON (with room
+    for inline images), never over ROUTER_MAX_BODY_BYTES."""
+    longest = max((d.max_model_len for d in snapshot.deployments.values()), default=0)
+    return min(ceiling, max(BODY_FLOOR_BYTES, longest * BODY_BYTES_PER_TOKEN + BODY_FLOOR_BYTES))
+
+
+async def read_body(receive: Receive, limit: int) -> bytes:
+    chunks = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone()
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise HttpError(
+                413, f"The request body is over the limit of {limit} bytes. Send a shorter prompt."
+            )
+        chunks.append(chunk)
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+def parse(body: bytes) -> dict:
+    try:
+        payload = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise HttpError(400, f"The request body is not valid JSON: {exc}") from None
+    if not isinstance(payload, dict):
+        raise HttpError(400, "The request body must be a JSON object.")
+    return payload
+
+
+def dumps(value) -> bytes:
+    """JSON of a parsed request, or a 400: orjson parses nesting up to 1,024 levels deep but writes only 254."""
+    try:
+        return orjson.dumps(value)
+    except orjson.JSONEncodeError as exc:
+        raise HttpError(400, f"The request cannot be forwarded: {exc}. Nest its JSON less deeply.") from None
+
+
+def deployment_for(snapshot: Snapshot, payload: dict, key: KeyInfo) -> DeploymentInfo:
+    """The deployment the request's `model` names, for this key: a served model's name or one of its tenant's
+    aliases, which it may call. A model the key may not call is answered as one that does not exist. The
+    payload's `model` becomes the served name (what the engines know)."""
+    model = payload.get("model")
+    if not isinstance(model, str) or not model:
+        raise HttpError(400, "Name the model: `model` is required.", "model")
+    deployment = snapshot.deployment_for_key(key, model)
+    if deployment is None:
+        raise HttpError(
+            404, f"The model `{model}` does not exist. GET /v1/models lists the models served.", "model"
+        )
+    payload["model"] = deployment.served_model_name
+    return deployment
+
+
+PRIORITY_HEADER = b"x-priority-class"
+
+
+def priority_for(scope: dict, key: KeyInfo) -> str:
+    """The request's class: its key's, or a lower one it asks for in `X-Priority-Class`."""
+    asked = header(scope, PRIORITY_HEADER)
+    if asked is None or asked == "":
+        return key.priority_class
+    asked = asked.strip().lower()
+    if asked not in PRIORITY_CLASSES:
+        raise HttpError(
+            400, f"`X-Priority-Class` must be one of {', '.join(PRIORITY_CLASSES)}; got `{asked}`.", None
+        )
+    if PRIORITY_CLASSES.index(asked) < PRIORITY_CLASSES.index(key.priority_class):
+        raise HttpError(
+            403,
+            f"This key's requests are `{key.priority_class}` at most: ask for `{key.priority_class}` or a lower "
+            "class, or have a team admin raise the key's class.",
+            None,
+        )
+    return asked
+
+
+def engine_fields(payload: dict, path: str, key: KeyInfo) -> dict:
+    """The request cut down to what the public API of its route defines (routing/fields.py), with the
+    engine-internal fields set by the router: the tenant's cache salt."""
+    try:
+        payload, dropped = public_fields(payload, path)
+    except FieldError as exc:
+        raise HttpError(400, str(exc), exc.param) from None
+    if dropped:
+        metrics.dropped_fields.inc(len(dropped))
+        log.debug("dropped fields %s from a request to %s", dropped, path)
+    remote = remote_media(payload, path)
+    if remote is not None:
+        raise HttpError(
+            400,
+            f"`{remote}` links to media by URL; engines fetch nothing on a client's behalf. Send the data "
+            "inline: a base64 `data:` URL, or an Anthropic `base64` source.",
+            remote.split("[", 1)[0],
+        )
+    if key.cache_salt:
+        payload["cache_salt"] = key.cache_salt
+    return payload
+
+
+def validate(
+    payload: dict,
+    deployment: DeploymentInfo,
+    dialect: Dialect,
+    prompt_ids: array | None,
+    path: str,
+    max_messages: int,
+    max_choices: int,
+    tokenizers: Tokenizers,
+) -> tuple[int, int]:
+    """Check limits and return upper bounds of the prompt's and the answer's tokens, for reservations. A `prompt`
+    that is a list of one prompt is replaced in `payload` by that prompt."""
+    options = payload.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise HttpError(
+            400, '`stream_options` must be an object, e.g. {"include_usage": true}.', "stream_options"
+        )
+    messages = payload.get("messages")
+    if messages is not None:
+        if not isinstance(messages, list) or not messages:
+            raise HttpError(400, "`messages` must be a non-empty list.", "messages")
+        if len(messages) > max_messages:
+            raise HttpError(
+                400, f"Too many messages: {len(messages)}; the limit is {max_messages}.", "messages"
+            )
+        media = first_media_part(messages)
+        if media is not None:
+            tokenizer = tokenizers.tokenizer_for(deployment)
+            if tokenizer is not None and not tokenizer.multimodal:
+                raise HttpError(
+                    400,
+                    f"The model `{deployment.served_model_name}` takes text only, and this request has "
+                    f"a `{media}` part. Send the content as text, or use a model that takes {media} input.",
+                    "messages",
+                )
+    limit = deployment.max_model_len
+    prompt = payload.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        if len(prompt) > 1:
+            raise HttpError(
+                400,
+                f"`prompt` holds {len(prompt)} prompts; this gateway takes one prompt per request (each is "
+                "routed to the engine that holds its prefix). Send them as separate requests.",
+                "prompt",
+            )
+        payload["prompt"] = prompt = prompt[0]
+        prompt_ids = token_ids(prompt)
+    if prompt_ids is not None and len(prompt_ids) >= limit:
+        raise HttpError(
+            400,
+            f"The prompt is {len(prompt_ids)} tokens, but the model's context is {limit} tokens. "
+            "Send a shorter prompt.",
+            "prompt",
+        )
+    field, max_tokens = output_limit(payload, path)
+    if max_tokens is not None:
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise HttpError(400, f"`{field}` must be a positive integer.", field)
+        if max_tokens > limit:
+            raise HttpError(
+                400,
+                f"`{field}` is {max_tokens}, but the model's context is {limit} tokens. "
+                "Ask for fewer output tokens.",
+                field,
+            )
+    elif dialect is ANTHROPIC:
+        raise HttpError(400, "`max_tokens` is required.", "max_tokens")
+    choices = payload.get("n", 1)
+    if choices is None:
+        choices = 1
+    if not isinstance(choices, int) or isinstance(choices, bool) or not 1 <= choices <= max_choices:
+        raise HttpError(
+            400,
+            f"`n` must be an integer from 1 to {max_choices}: the answers this request may have.",
+            "n",
+        )
+    best_of = payload.get("best_of")
+    if best_of is not None and best_of != 1:
+        raise HttpError(
+            400, "`best_of` is not supported: remove it, or use `n` for several answers.", "best_of"
+        )
+    prompt_bound = len(prompt_ids) if prompt_ids is not None else prompt_token_bound(payload)
+    # Each of the n answers may run to max_tokens, or to the end of the context when none is set.
+    return min(prompt_bound, limit), (max_tokens or limit) * choices
+
+
+def over_context(
+    deployment: DeploymentInfo, payload: dict, ctx: RequestContext, path: str
+) -> HttpError | None:
+    """As the engine would refuse it: a prompt that fills the context, or leaves less than `max_tokens`."""
+    prompt = ctx.prompt_tokens_estimate
+    if not prompt:
+        return None
+    limit = deployment.max_model_len
+    field, max_tokens = output_limit(payload, path)
+    param = "prompt" if "prompt" in payload else "input" if path == "/v1/responses" else "messages"
+    if prompt >= limit:
+        return HttpError(
+            400,
+            f"The prompt is {prompt} tokens, but the model's context is {limit} tokens. Shorten it.",
+            param,
+        )
+    if isinstance(max_tokens, int) and prompt + max_tokens > limit:
+        return HttpError(
+            400,
+            f"The prompt is {prompt} tokens and `{field}` asks for {max_tokens} more, but the model's context "
+            f"is {limit} tokens. Ask for at most {limit - prompt} output tokens, or shorten the prompt.",
+            field,
+        )
+    return None
+
+
+def output_limit(payload: dict, path: str) -> tuple[str, object]:
+    """The output limit the engine reads on this route, and its field: vLLM reads `max_completion_tokens` (else
+    `max_tokens`) on chat completions, `max_tokens` on completions and messages, `max_output_tokens` on
+    responses. Only that field sets the reservation, so no other field can make it smaller than the answer."""
+    if path == "/v1/chat/completions":
+        value = payload.get("max_completion_tokens")
+        if value is not None:
+            return "max_completion_tokens", value
+        return "max_tokens", payload.get("max_tokens")
+    if path == "/v1/responses":
+        return "max_output_tokens", payload.get("max_output_tokens")
+    return "max_tokens", payload.get("max_tokens")
+
+
+def prompt_token_bound(payload: dict) -> int:
+    """An upper bound of the prompt's tokens without tokenising (a prompt not given as token ids): byte-level BPE
+    tokens cover at least one byte each, plus a few template tokens per message."""
+    prompt = payload.get("prompt")
+    total = 0
+    for part in (
+        prompt,
+        payload.get("messages"),
+        payload.get("system"),
+        payload.get("input"),
+        payload.get("tools"),
+    ):
+        if part is not None:
+            total += len(dumps(part)) if not isinstance(part, str) else len(part.encode())
+    messages = payload.get("messages")
+    return total + 8 * (len(messages) if isinstance(messages, list) else 1) + 16

@@ -1,0 +1,182 @@
+"""Flow control's rules without a server: when a deployment is saturated, who is served next, and how the other
+replicas' shares are read (routing/flow.py). The same rules on real processes: test_flow_control.py."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import orjson
+
+from routing.flow import (
+    CLASSES,
+    Decayed,
+    FlowControl,
+    QueueTimeout,
+    Waiter,
+    others_queued,
+    others_work,
+    saturated,
+)
+from routing.load import EndpointLoad
+from routing.state import DeploymentInfo, EndpointInfo, KeyInfo, PolicyInfo
+
+
+def deployment(engines: int = 2, **policy) -> DeploymentInfo:
+    endpoints = tuple(
+        EndpointInfo(i, f"e{i}", f"http://e{i}", "both", 1, max_num_seqs=4) for i in range(engines)
+    )
+    return DeploymentInfo(1, "d", "m", 4096, 16, PolicyInfo(**policy), endpoints, 0)
+
+
+def key(tenant: int, team: int, *, tenant_weight: int = 1, team_weight: int = 1) -> KeyInfo:
+    return KeyInfo(
+        tenant * 100 + team,
+        "ipk_x",
+        team,
+        tenant,
+        frozenset(),
+        None,
+        tenant_weight=tenant_weight,
+        team_weight=team_weight,
+    )
+
+
+def test_saturated_when_no_engine_can_start_another_request_without_queueing_it():
+    d = deployment()
+    loads = {0: EndpointLoad(active=4), 1: EndpointLoad(active=3)}
+    assert saturated(d, loads, 0, 0.0) == ""  # one slot free
+    assert saturated(d, loads, 1, 0.0) == "queues"  # ... taken by a request let through, not yet sent
+    loads[1].others_active = 1  # or by another replica's request
+    assert saturated(d, loads, 0, 0.0) == "queues"
+    # Allowing a queue of two per engine: room again.
+    assert saturated(deployment(saturation_waiting_per_engine=2.0), loads, 0, 0.0) == ""
+
+
+def test_saturated_when_every_kv_cache_is_full_or_the_prefill_backlog_is_too_long():
+    d = deployment(saturation_kv_utilization=0.9, saturation_prefill_tokens_per_engine=1000)
+    loads = {0: EndpointLoad(kv_usage=0.95), 1: EndpointLoad(kv_usage=0.5)}
+    assert saturated(d, loads, 0, 0.0) == ""  # one engine still has room in its cache
+    loads[1].kv_usage = 0.91
+    assert saturated(d, loads, 0, 0.0) == "kv_cache"
+    loads = {0: EndpointLoad(prefill=1500.0), 1: EndpointLoad(others_prefill=600.0)}
+    assert saturated(d, loads, 0, 0.0) == "prefill"
+
+
+def test_decayed_work_halves_over_the_window_times_ln_2():
+    served = Decayed()
+    served.add(100.0, 0.0, 10.0)
+    assert abs(served.get(10.0 * 0.6931, 10.0) - 50.0) < 0.1
+    served.add(-1000.0, 1.0, 10.0)
+    assert served.get(1.0, 10.0) == 0.0  # never negative
+
+
+def queue(flow, *waiters: tuple[KeyInfo, str]) -> None:
+    loop = asyncio.new_event_loop()
+    for index, (k, priority) in enumerate(waiters):
+        flow.push(Waiter(k, priority, 10.0, float(index), loop.create_future()))
+
+
+def order(flow) -> list[tuple[int, int, str]]:
+    served = []
+    while (where := flow.best(time.monotonic())) is not None:
+        waiter = flow.pop(*where)
+        flow.charge(waiter.key, waiter.work)
+        served.append((waiter.key.tenant_id, waiter.key.team_id, waiter.priority))
+    return served
+
+
+def test_a_higher_class_always_leaves_first_then_the_tenant_furthest_behind():
+    control = FlowControl({})
+    flow = control.flow(deployment())
+    a, b = key(1, 1), key(2, 2)
+    flow.charge(a, 100.0)  # tenant 1 was served lately; tenant 2 not
+    queue(flow, (a, "batch"), (a, "standard"), (b, "standard"), (a, "interactive"))
+    assert order(flow) == [(1, 1, "interactive"), (2, 2, "standard"), (1, 1, "standard"), (1, 1, "batch")]
+    assert flow.waiting == 0 and flow.queues == {}
+    assert CLASSES == ("interactive", "standard", "batch")
+
+
+def test_work_is_shared_by_weight_across_tenants_then_across_teams():
+    control = FlowControl({})
+    flow = control.flow(deployment())
+    heavy, light = key(1, 1, tenant_weight=3), key(2, 2)
+    queue(flow, *[(heavy, "standard")] * 40, *[(light, "standard")] * 40)
+    first = order(flow)[:40]
+    assert 29 <= sum(1 for tenant, _, _ in first if tenant == 1) <= 31  # 3:1 while both wait
+
+    control = FlowControl({})
+    flow = control.flow(deployment())
+    team_a, team_b = key(1, 1, team_weight=1), key(1, 2, team_weight=1)
+    other_tenant = key(2, 3)
+    queue(
+        flow, *[(team_a, "standard")] * 20, *[(team_b, "standard")] * 20, *[(other_tenant, "standard")] * 40
+    )
+    first = order(flow)[:40]
+    teams = [team for _, team, _ in first]
+    assert 19 <= teams.count(3) <= 21 and 9 <= teams.count(1) <= 11 and 9 <= teams.count(2) <= 11
+
+
+def test_the_other_replicas_work_and_queues_are_read_back_when_fresh():
+    now = time.time()
+    published = {
+        b"me": orjson.dumps({"at": now, "work": {"t1": 500.0}}),
+        b"other": orjson.dumps({"at": now, "work": {"t1": 100.0, "m4": 40.0}}),
+        b"dead": orjson.dumps({"at": now - 60, "work": {"t1": 1e6}}),
+        b"junk": b"{",
+    }
+    work = others_work(published, "me", now, 60.0)
+    assert set(work) == {"t1", "m4"} and abs(work["t1"] - 100.0) < 0.1
+    queues = {
+        b"me": orjson.dumps({"at": now, "queued": [["batch", 1, 3]]}),
+        b"other": orjson.dumps(
+            {"at": now, "saturated": True, "queued": [["standard", 2, 5], ["batch", 3, 0]]}
+        ),
+    }
+    assert others_queued(queues, "me", now) == {("standard", 2)}
+
+
+def test_a_replica_leaves_a_turn_to_a_tenant_further_behind_at_another_replica_for_a_moment():
+    control = FlowControl({})
+    flow = control.flow(deployment())
+    a = key(1, 1)
+    flow.charge(a, 1000.0)
+    flow.others = {"t2": 10.0}
+    flow.queued_elsewhere = {("standard", 2)}
+    assert flow.served_elsewhere_first(time.monotonic(), "standard", 1, 10.0)
+    assert not flow.served_elsewhere_first(time.monotonic(), "interactive", 1, 10.0)
+    flow.queued_elsewhere = {("interactive", 2)}
+    assert flow.served_elsewhere_first(time.monotonic(), "standard", 1, 10.0)
+
+
+def test_a_waiter_past_its_class_limit_times_out_and_leaves_the_queue():
+    async def run() -> None:
+        control = FlowControl({0: EndpointLoad(active=4), 1: EndpointLoad(active=4)})
+        d = deployment(max_wait_batch_s=0.2)
+        try:
+            await control.enter(d, key(1, 1), "batch", 10.0, 0.0)
+        except QueueTimeout as exc:
+            assert 0.15 < exc.waited < 1.0 and exc.retry_after >= 1
+        else:
+            raise AssertionError("it should have timed out")
+        flow = control.flows[1]
+        assert flow.waiting == 0 and flow.pending == 0
+
+        # A cancelled wait (the client went away) leaves nothing behind either.
+        task = asyncio.ensure_future(control.enter(d, key(1, 1), "standard", 10.0, 0.0))
+        await asyncio.sleep(0.1)
+        assert flow.waiting == 1
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        assert flow.waiting == 0 and flow.pending == 0
+
+        # Room again: the next request goes straight through, and its ticket gives the room back when done.
+        control.loads[0].active = 0
+        ticket = await control.enter(d, key(1, 1), "standard", 10.0, 0.0)
+        assert ticket.queued_s == 0.0 and flow.pending == 1
+        ticket.started()
+        ticket.finish(25.0, 5)
+        assert flow.pending == 0
+        assert abs(flow.tenants[1].get(time.monotonic(), 60.0) - 25.0) < 0.1  # corrected to the work done
+
+    asyncio.run(run())
