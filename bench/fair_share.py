@@ -724,11 +724,19 @@ def _stream() -> str:
     return settings.USAGE_STREAM
 
 
-def describe(warmup: float, measure: float, slots: int, burst: int, prefill: int | None) -> list[str]:
+def describe(
+    warmup: float, measure: float, slots: int, burst: int, prefill: int | None, spare: float | None = None
+) -> list[str]:
+    changed = []
+    if prefill is not None:
+        changed.append(f"`saturation_prefill_tokens_per_engine` {prefill:,}")
+    if spare is not None:
+        changed.append(f"`saturation_spare_slots_per_engine` {spare:g}")
     thresholds = (
-        "the policy's default thresholds (saturated when no engine has a free slot)"
-        if prefill is None
-        else f"`saturation_prefill_tokens_per_engine` {prefill:,} and the other thresholds at their defaults"
+        f"{' and '.join(changed)} and the other thresholds at their defaults"
+        if changed
+        else "the policy's default thresholds (saturated when no engine has a free slot; two spare slots per "
+        "engine kept for the tenants behind their share)"
     )
     return [
         f"Fleet: {ENGINES} simulator engines, `--max-num-seqs {slots}` (the pool's `max_num_seqs` too), "
@@ -766,6 +774,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         type=int,
         help="the policy's saturation_prefill_tokens_per_engine (default: the policy's default)",
     )
+    parser.add_argument(
+        "--spare-slots",
+        type=float,
+        help="the policy's saturation_spare_slots_per_engine (default: the policy's default)",
+    )
     parser.add_argument("--docs", help="write the table to this file's fair-share section")
     return parser.parse_args(argv)
 
@@ -802,6 +815,8 @@ def main(argv: list[str]) -> int:
         deployment_id, keys, tenant_ids = create_objects(engines)
         if args.prefill_threshold is not None:
             set_policy(deployment_id, saturation_prefill_tokens_per_engine=args.prefill_threshold)
+        if args.spare_slots is not None:
+            set_policy(deployment_id, saturation_spare_slots_per_engine=args.spare_slots)
         scraper = Scraper()
         scraper.start()
         try:
@@ -821,7 +836,11 @@ def main(argv: list[str]) -> int:
                 )
         finally:
             scraper.stop.set()
-    text = report(outcomes, argv, describe(warmup, measure, args.slots, args.burst, args.prefill_threshold))
+    text = report(
+        outcomes,
+        argv,
+        describe(warmup, measure, args.slots, args.burst, args.prefill_threshold, args.spare_slots),
+    )
     print(text)
     varied = args.quick or args.cases or args.measure or args.slots != SLOTS or args.burst != FLOOD_BURST
     varied = varied or args.prefill_threshold is not None

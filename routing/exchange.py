@@ -154,12 +154,13 @@ class Exchange:
         away meanwhile cancels the wait, and it leaves the queue."""
         request, flow = self.request, self.router.flow
         ctx = request.ctx
-        held = max((h.blocks for h in ctx.held.values()), default=0) * request.deployment.block_size
+        blocks = {e: h.blocks for e, h in ctx.held.items()} if ctx.held else ctx.approx_held
+        held = max(blocks.values(), default=0) * request.deployment.block_size
         uncached = (ctx.prompt_tokens_estimate or request.input_bound) - held
         work = flow.estimate(flow.flow(request.deployment), uncached, request.output_bound)
         try:
             self.ticket = await flow.enter(
-                request.deployment, request.key, request.priority, work, request.started
+                request.deployment, request.key, request.priority, work, request.started, blocks
             )
         except QueueTimeout as exc:
             self.queued_s = exc.waited
@@ -191,6 +192,14 @@ class Exchange:
         ctx = request.ctx
         tried: set[int] = set()
         last_error = "no healthy endpoint serves this model"
+        policy = request.deployment.policy
+        ticket = self.ticket
+        if policy.flow_control and ticket is not None:
+            # Only where it can start now (filters.with_room): its reserved slot, or a free one that is not spare
+            # when its tenant is ahead of its share.
+            ctx.room_beyond = policy.saturation_waiting_per_engine
+            ctx.spare_slots = policy.saturation_spare_slots_per_engine if ticket.ahead else 0.0
+            ctx.reserved_endpoint = ticket.endpoint
         for _ in range(router.max_attempts):
             ctx.exclude = frozenset(tried)
             candidate, candidates = router.pipeline.choose(request.deployment, ctx, router.loads)

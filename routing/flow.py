@@ -17,6 +17,14 @@ the teams of a tenant. See docs/flow-control.md.
   a freed slot is a race, so the shares hold approximately (docs/flow-control.md measures the drift).
 - A request that waits past its class's limit is refused (429, `Retry-After`); one whose client disconnects leaves
   the queue and nothing is billed (routing/exchange.py).
+- Spare slots: while saturated, a tenant ahead of its fair share (more work lately, over its weight, than the
+  mean of the active tenants) may not take an engine's last `saturation_spare_slots_per_engine` slots.
+  They are kept for the tenants behind theirs, so an interactive agent's next turn finds a slot instead of waiting
+  for one of the flood's requests to end. A lone tenant is never ahead of the mean, so it may use them all.
+- Where a waiter goes: one whose prompt an engine holds well beyond what the others hold (`Affinity`) waits for a
+  slot on that engine, while waiters behind it take slots elsewhere, for as long as recomputing that extra prefix
+  elsewhere would take; the slot it gets is reserved for it (EndpointLoad.reserved) until it is sent. Any other
+  waiter goes where the routing pipeline sends it, among the engines with a free slot (filters.with_room).
 
 Over 400 lines: the gate, the order and the sharing across replicas read one another's state (what waits, what was
 let through, each tenant's work), and stay together.
@@ -29,15 +37,13 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import orjson
 
 from . import metrics
+from .filters import slot_limit
+from .load import EndpointLoad
 from .state import DECODE_ROLES, DeploymentInfo, KeyInfo
-
-if TYPE_CHECKING:
-    from .load import EndpointLoad
 
 CLASSES = ("interactive", "standard", "batch")  # dispatch order (tenants.models.PRIORITY_RANK)
 SERVED_KEY = (
@@ -50,6 +56,14 @@ SHARE_MAX_AGE_S = 3.0
 HOLD_S = 0.2
 # Output tokens expected of a request before the deployment has finished any (then the running mean).
 DEFAULT_OUTPUT_ESTIMATE = 256.0
+# Seconds per prompt token an engine prefills, until the router has learned it (EndpointLoad.prefill_s_per_token).
+DEFAULT_PREFILL_S_PER_TOKEN = 5e-5
+# A tenant let through a request this recently is active (an agent thinking between turns still is): the spare
+# slots are kept for it while it is behind its share.
+ACTIVE_S = 10.0
+# A prefix held in one engine only is worth waiting for when it is at least this long, and for at most this long.
+AFFINITY_MIN_TOKENS = 512
+AFFINITY_MAX_WAIT_S = 5.0
 
 
 class QueueTimeout(Exception):
@@ -81,13 +95,49 @@ class Decayed:
         self.at = now
 
 
+@dataclass(frozen=True, slots=True)
+class Affinity:
+    """The engine holding a request's prompt beyond the others, and how long a wait for it is worth."""
+
+    endpoint: int
+    patience_s: float
+
+
+def affinity(
+    deployment: DeploymentInfo, loads: dict[int, EndpointLoad], held: dict[int, int]
+) -> Affinity | None:
+    """Where a request should wait for a slot (`held`: the leading blocks of its prompt each engine holds): the
+    decode engine holding the most of it, if that is AFFINITY_MIN_TOKENS beyond the next one. It is worth waiting
+    for as long as computing that difference would take elsewhere, at the engines' learned prefill speed (capped
+    at AFFINITY_MAX_WAIT_S). None: anywhere will do."""
+    engines = [e.id for e in deployment.endpoints if e.role in DECODE_ROLES]
+    if len(engines) < 2 or not held:
+        return None
+    ranked = sorted(engines, key=lambda e: held.get(e, 0), reverse=True)
+    extra = (held.get(ranked[0], 0) - held.get(ranked[1], 0)) * deployment.block_size
+    if extra < AFFINITY_MIN_TOKENS:
+        return None
+    speeds = [
+        load.prefill_s_per_token for e in engines if (load := loads.get(e)) and load.prefill_s_per_token
+    ]
+    per_token = max(speeds) if speeds else DEFAULT_PREFILL_S_PER_TOKEN
+    return Affinity(ranked[0], min(AFFINITY_MAX_WAIT_S, extra * per_token))
+
+
 @dataclass(eq=False, slots=True)
 class Waiter:
     key: KeyInfo
     priority: str
     work: float
     arrived: float
-    future: asyncio.Future
+    future: asyncio.Future  # its result: the engine reserved for it, or None
+    affinity: Affinity | None = None
+
+    def bound_to(self, now: float) -> int | None:
+        """The engine it still waits for (its affinity, while that is worth waiting for)."""
+        if self.affinity is not None and now - self.arrived < self.affinity.patience_s:
+            return self.affinity.endpoint
+        return None
 
 
 @dataclass(eq=False)
@@ -99,6 +149,8 @@ class Ticket:
     priority: str
     charged: float
     queued_s: float
+    endpoint: int | None = None  # the engine whose slot the gate reserved for it
+    ahead: bool = False  # its tenant was ahead of its share: the spare slots are not for it
     pending: bool = True  # let through, not yet counted in an engine's load
     done: bool = False
 
@@ -107,6 +159,7 @@ class Ticket:
         if self.pending:
             self.pending = False
             self.flow.pending -= 1
+            self.flow.control.unreserve(self.endpoint)
 
     def finish(self, work: float, output_tokens: int | None = None) -> None:
         """It ended having cost `work` tokens of work (0 if it never reached an engine)."""
@@ -140,6 +193,7 @@ class DeploymentFlow:
     holding_since: float | None = None
     output_mean: float = DEFAULT_OUTPUT_ESTIMATE
     saturated_since: float | None = None
+    active_at: dict[int, float] = field(default_factory=dict)  # tenant id -> when last let through here
     _wakeup: asyncio.Handle | None = None
 
     # --- shares ---
@@ -156,6 +210,19 @@ class DeploymentFlow:
         served = self.tenants.get(tenant_id)
         mine = served.get(now, self.control.window_s) if served else 0.0
         return (mine + self.others.get(f"t{tenant_id}", 0.0)) / self.weights.get(tenant_id, 1)
+
+    def ahead_of_share(self, now: float, tenant_id: int) -> bool:
+        """Whether the tenant has had more work lately, over its weight, than the mean of the active tenants
+        (let through here in the last ACTIVE_S, or waiting at any replica): such a tenant may not take the spare
+        slots. A tenant alone, or once the others have gone quiet, is ahead of no one."""
+        tenants = {t for t, at in self.active_at.items() if now - at < ACTIVE_S}
+        tenants.update(t for teams in self.queues.values() for t in teams)
+        tenants.update(t for _, t in self.queued_elsewhere)
+        tenants.add(tenant_id)
+        if len(tenants) < 2:
+            return False
+        shares = [self.behind(now, t) for t in tenants]
+        return self.behind(now, tenant_id) > sum(shares) / len(shares)
 
     def team_behind(self, now: float, team_id: int) -> float:
         served = self.teams.get(team_id)
@@ -205,16 +272,28 @@ class DeploymentFlow:
             metrics.flow_queued, self.deployment.served_model_name, waiter.priority, str(key.tenant_id)
         ).dec()
 
-    def best(self, now: float) -> tuple[str, int, int] | None:
+    def best(
+        self, now: float, blocked: set[tuple[str, int, int]] = frozenset()
+    ) -> tuple[str, int, int] | None:
         """Where the next waiter is: the highest class waiting; in it, the tenant furthest behind its share,
-        then its team furthest behind. None when nothing waits."""
+        then its team furthest behind. None when nothing waits. `blocked`: lines passed over this time (their
+        oldest waits for a slot on a full engine)."""
         for priority in CLASSES:
             tenants = self.queues.get(priority)
             if not tenants:
                 continue
-            tenant_id = min(tenants, key=lambda t: (self.behind(now, t), _oldest(tenants[t])))
+            open_teams = {
+                tenant_id: [t for t in teams if (priority, tenant_id, t) not in blocked]
+                for tenant_id, teams in tenants.items()
+            }
+            open_tenants = [t for t, teams in open_teams.items() if teams]
+            if not open_tenants:
+                continue
+            tenant_id = min(open_tenants, key=lambda t: (self.behind(now, t), _oldest(tenants[t])))
             teams = tenants[tenant_id]
-            team_id = min(teams, key=lambda t: (self.team_behind(now, t), teams[t][0].arrived))
+            team_id = min(
+                open_teams[tenant_id], key=lambda t: (self.team_behind(now, t), teams[t][0].arrived)
+            )
             return priority, tenant_id, team_id
         return None
 
@@ -254,22 +333,29 @@ def _oldest(teams: dict[int, deque[Waiter]]) -> float:
     return min(line[0].arrived for line in teams.values())
 
 
-def saturated(deployment: DeploymentInfo, loads: dict[int, EndpointLoad], pending: int, now: float) -> str:
-    """Why the deployment cannot take another request without queueing it in an engine ("" if it can)."""
+def saturated(
+    deployment: DeploymentInfo,
+    loads: dict[int, EndpointLoad],
+    pending: int,
+    now: float,
+    spare: float = 0.0,
+) -> str:
+    """Why the deployment cannot take another request without queueing it in an engine ("" if it can), not
+    counting `spare` slots of each engine (the spare slots, for a tenant ahead of its share)."""
     policy = deployment.policy
     engines = [e for e in deployment.endpoints if e.role in DECODE_ROLES]
     if not engines:
         return ""  # nothing to queue for: the exchange answers 503
-    per_engine = policy.saturation_waiting_per_engine
+    queue = policy.saturation_waiting_per_engine
     room, kv_full, backlog = -pending, True, 0.0
     for endpoint in engines:
         load = loads.get(endpoint.id)
         if load is None:
-            room += endpoint.max_num_seqs + per_engine
+            room += slot_limit(endpoint.max_num_seqs, queue, spare)
             kv_full = False
             continue
         in_flight = load.active + load.others_active
-        room += max(0.0, endpoint.max_num_seqs + per_engine - in_flight)
+        room += max(0.0, slot_limit(endpoint.max_num_seqs, queue, spare) - in_flight)
         kv_full = kv_full and load.kv_usage >= policy.saturation_kv_utilization
     for endpoint in deployment.endpoints:
         load = loads.get(endpoint.id)
@@ -306,16 +392,33 @@ class FlowControl:
         return max(0.0, uncached_prompt) + min(float(output_bound), flow.output_mean)
 
     async def enter(
-        self, deployment: DeploymentInfo, key: KeyInfo, priority: str, work: float, started: float
+        self,
+        deployment: DeploymentInfo,
+        key: KeyInfo,
+        priority: str,
+        work: float,
+        started: float,
+        held: dict[int, int] | None = None,
     ) -> Ticket:
         """Wait for the request's turn; returns its ticket. Raises QueueTimeout past the class's limit; a
-        cancellation (the client went away) takes it out of the queue."""
+        cancellation (the client went away) takes it out of the queue. `held`: the leading blocks of its prompt
+        each engine holds, for where it should wait (affinity)."""
         flow = self.flow(deployment)
         model = deployment.served_model_name
         now = time.monotonic()
-        if not deployment.policy.flow_control or (not flow.waiting and not self._saturated(flow, now)):
+        if not deployment.policy.flow_control:
             return self._let_through(flow, key, priority, work, 0.0)
-        waiter = Waiter(key, priority, work, now, asyncio.get_running_loop().create_future())
+        ahead = flow.ahead_of_share(now, key.tenant_id)
+        if not flow.waiting and not self._saturated(flow, now, ahead):
+            return self._let_through(flow, key, priority, work, 0.0, ahead)
+        waiter = Waiter(
+            key,
+            priority,
+            work,
+            now,
+            asyncio.get_running_loop().create_future(),
+            affinity(deployment, self.loads, held or {}),
+        )
         flow.push(waiter)
         self._arm(flow)
         limit = max_wait(deployment, priority)
@@ -331,28 +434,61 @@ class FlowControl:
             # let through as the timer fired: take the turn
         except BaseException:
             if not flow.remove(waiter) and waiter.future.done() and not waiter.future.cancelled():
-                # Let through but gone: give its turn back.
+                # Let through but gone: give its turn (and the slot reserved for it) back.
                 flow.pending -= 1
+                self.unreserve(waiter.future.result()[0])
                 flow.charge(key, -work)
                 self.wake(flow)
             raise
         waited = time.monotonic() - now
         metrics.of(metrics.flow_wait, model, priority).observe(waited)
-        return Ticket(flow, key, priority, work, waited)
+        endpoint, ahead = waiter.future.result()
+        return Ticket(flow, key, priority, work, waited, endpoint, ahead)
 
     def _let_through(
-        self, flow: DeploymentFlow, key: KeyInfo, priority: str, work: float, waited: float
+        self,
+        flow: DeploymentFlow,
+        key: KeyInfo,
+        priority: str,
+        work: float,
+        waited: float,
+        ahead: bool = False,
     ) -> Ticket:
         flow.pending += 1
+        flow.active_at[key.tenant_id] = time.monotonic()
         flow.weights[key.tenant_id] = key.tenant_weight
         flow.weights[-key.team_id] = key.team_weight
         flow.charge(key, work)
         metrics.of(
             metrics.flow_dispatched, flow.deployment.served_model_name, priority, str(key.tenant_id)
         ).inc()
-        return Ticket(flow, key, priority, work, waited)
+        return Ticket(flow, key, priority, work, waited, ahead=ahead)
 
-    def _saturated(self, flow: DeploymentFlow, now: float) -> bool:
+    def room_at(self, flow: DeploymentFlow, endpoint_id: int, ahead: bool = False) -> float:
+        """Slots free on that engine: its max_num_seqs plus the queue the policy allows (less the spare slots,
+        for a tenant `ahead` of its share), less the requests in flight there (every replica's) and those the gate
+        reserved it for."""
+        endpoint = next((e for e in flow.deployment.endpoints if e.id == endpoint_id), None)
+        if endpoint is None:
+            return 0.0
+        load = self.loads.get(endpoint_id)
+        taken = load.active + load.others_active + load.reserved if load is not None else 0
+        policy = flow.deployment.policy
+        spare = policy.saturation_spare_slots_per_engine if ahead else 0.0
+        return slot_limit(endpoint.max_num_seqs, policy.saturation_waiting_per_engine, spare) - taken
+
+    def unreserve(self, endpoint_id: int | None) -> None:
+        load = self.loads.get(endpoint_id) if endpoint_id is not None else None
+        if load is not None and load.reserved > 0:
+            load.reserved -= 1
+
+    def _saturated(self, flow: DeploymentFlow, now: float, ahead: bool = False) -> bool:
+        """Whether it is saturated (for a tenant `ahead` of its share: counting the spare slots as taken)."""
+        if ahead:
+            spare = flow.deployment.policy.saturation_spare_slots_per_engine
+            return bool(spare and saturated(flow.deployment, self.loads, flow.pending, now, spare)) or (
+                self._saturated(flow, now)
+            )
         reason = saturated(flow.deployment, self.loads, flow.pending, now)
         if reason and flow.saturated_since is None:
             flow.saturated_since = now
@@ -367,8 +503,9 @@ class FlowControl:
         to see the room at its next trade of loads; past that this replica takes it, so no engine idles long."""
         flow._wakeup = None
         now = time.monotonic()
+        blocked: set[tuple[str, int, int]] = set()
         while flow.waiting and not self._saturated(flow, now):
-            where = flow.best(now)
+            where = flow.best(now, blocked)
             if where is None:
                 break
             priority, tenant_id, team_id = where
@@ -379,11 +516,23 @@ class FlowControl:
                 if now - flow.holding_since < HOLD_S:
                     break
             flow.holding_since = None
+            ahead = flow.ahead_of_share(now, tenant_id)
+            endpoint = head.bound_to(now)
+            if endpoint is not None:
+                full = self.room_at(flow, endpoint, ahead) < 1
+            else:
+                full = ahead and self._saturated(flow, now, ahead)
+            if full:
+                # It waits for its engine, or for a slot that is not spare; the lines behind it may go.
+                blocked.add(where)
+                continue
             waiter = flow.pop(priority, tenant_id, team_id)
             if waiter.future.done():  # cancelled meanwhile
                 continue
             self._let_through(flow, waiter.key, waiter.priority, waiter.work, now - waiter.arrived)
-            waiter.future.set_result(None)
+            if endpoint is not None:
+                self.loads.setdefault(endpoint, EndpointLoad()).reserved += 1
+            waiter.future.set_result((endpoint, ahead))
         if flow.waiting:
             self._arm(flow)
 

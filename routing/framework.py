@@ -34,6 +34,11 @@ class RequestContext:
     )
     approx_held: dict[int, int] = field(default_factory=dict)  # approximate: leading blocks sent there before
     session_endpoint: int | None = None
+    # Under flow control: how many requests an engine may queue beyond its max_num_seqs and still take this one
+    # (the policy's saturation_waiting_per_engine); None: no limit (filters.with_room).
+    room_beyond: float | None = None
+    spare_slots: float = 0.0  # and how many of its slots to leave free (its tenant is ahead of its share)
+    reserved_endpoint: int | None = None  # the engine whose slot flow control reserved for this request
 
 
 @dataclass

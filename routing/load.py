@@ -39,6 +39,7 @@ class EndpointLoad:
     work: float = 0.0  # requests in flight there, each weighed by the prefill it brings (request_weight)
     others: float = 0.0  # own() of the other router replicas there, as they last published it
     others_active: int = 0  # their requests in flight there
+    reserved: int = 0  # requests flow control let through for a slot here, not yet sent (routing/flow.py)
     # Prefill backlog: the uncached prompt tokens of this replica's requests there awaiting a first token.
     prefill: float = 0.0
     others_prefill: float = 0.0  # the other replicas' prefill backlog there (their prefill_left)
@@ -177,11 +178,13 @@ async def trade_loads(
             key = REPLICA_LOAD_KEY.format(endpoint.id)
             load = loads.get(endpoint.id)
             own = load.own(now) if load is not None else 0.0
-            if load is not None and (load.active or own > 0.01):
+            # In flight: what it has sent there and the slots flow control reserved there for requests about to be.
+            taken = load.active + load.reserved if load is not None else 0
+            if load is not None and (taken or own > 0.01):
                 pipe.hset(
                     key,
                     replica_id,
-                    f"{own:.3f} {load.active} {wall:.3f} {load.prefill_left(now):.0f}",
+                    f"{own:.3f} {taken} {wall:.3f} {load.prefill_left(now):.0f}",
                 )
             else:
                 pipe.hdel(key, replica_id)

@@ -63,6 +63,12 @@ class RoutingPolicy(models.Model):
         help_text="Saturated when the requests queued in the engines (beyond each one's max_num_seqs) exceed this "
         "many per engine.",
     )
+    saturation_spare_slots_per_engine = models.FloatField(
+        default=2.0,
+        validators=[MinValueValidator(0.0)],
+        help_text="While saturated, a tenant ahead of its fair share may not take an engine's last this many slots: "
+        "they are kept spare for the tenants behind theirs, whose next request then need not wait for one to free.",
+    )
     saturation_kv_utilization = models.FloatField(
         default=0.95,
         validators=unit_interval,

@@ -8,7 +8,7 @@ docs/routing.md#adding-a-scorer.
 from __future__ import annotations
 
 from . import steps
-from .filters import not_excluded
+from .filters import not_excluded, with_room
 from .framework import REGISTRY
 from .picker import fewest_sent_lately, soonest_first_token
 from .scorers.kv_utilization import KvUtilizationScorer
@@ -17,6 +17,7 @@ from .scorers.queue import PrefillBacklogScorer, QueueScorer
 from .scorers.session import SessionAffinityScorer
 
 REGISTRY.filter("not_excluded", not_excluded)
+REGISTRY.filter("with_room", with_room)
 
 REGISTRY.scorer("precise_prefix", PrecisePrefixScorer(), weight="prefix_weight", key="prefix", affinity=True)
 REGISTRY.scorer(
@@ -38,7 +39,9 @@ REGISTRY.tie_break("fewest_sent_lately", fewest_sent_lately)
 LOAD = ("queue", "prefill", "kv_utilization")
 GUARDS = ("session_spare", "new_session_spread", "load_guard")
 TIES = ("soonest_first_token", "fewest_sent_lately")
-REGISTRY.mode("round_robin", ("not_excluded", "fewest_sent_lately"))
-REGISTRY.mode("least_loaded", ("not_excluded", *LOAD, "session", *GUARDS, *TIES))
-REGISTRY.mode("approximate", ("not_excluded", "approximate_prefix", *LOAD, "session", *GUARDS, *TIES))
-REGISTRY.mode("precise", ("not_excluded", "precise_prefix", *LOAD, "session", *GUARDS, *TIES))
+REGISTRY.mode("round_robin", ("not_excluded", "with_room", "fewest_sent_lately"))
+REGISTRY.mode("least_loaded", ("not_excluded", "with_room", *LOAD, "session", *GUARDS, *TIES))
+REGISTRY.mode(
+    "approximate", ("not_excluded", "with_room", "approximate_prefix", *LOAD, "session", *GUARDS, *TIES)
+)
+REGISTRY.mode("precise", ("not_excluded", "with_room", "precise_prefix", *LOAD, "session", *GUARDS, *TIES))

@@ -10,15 +10,19 @@ import orjson
 
 from routing.flow import (
     CLASSES,
+    DEFAULT_PREFILL_S_PER_TOKEN,
     Decayed,
     FlowControl,
     QueueTimeout,
     Waiter,
+    affinity,
     others_queued,
     others_work,
     saturated,
 )
+from routing.framework import RequestContext
 from routing.load import EndpointLoad
+from routing.pipeline import Pipeline
 from routing.state import DeploymentInfo, EndpointInfo, KeyInfo, PolicyInfo
 
 
@@ -61,6 +65,24 @@ def test_saturated_when_every_kv_cache_is_full_or_the_prefill_backlog_is_too_lon
     assert saturated(d, loads, 0, 0.0) == "kv_cache"
     loads = {0: EndpointLoad(prefill=1500.0), 1: EndpointLoad(others_prefill=600.0)}
     assert saturated(d, loads, 0, 0.0) == "prefill"
+
+
+def test_under_flow_control_a_request_goes_only_to_an_engine_that_can_start_it():
+    d = deployment(mode="round_robin")
+    loads = {0: EndpointLoad(active=4), 1: EndpointLoad(active=2, others_active=1)}
+    pipeline = Pipeline()
+    # Without flow control the full engine takes its turn as the other does.
+    picked = {pipeline.choose(d, RequestContext("m"), loads)[0].endpoint.id for _ in range(4)}
+    assert picked == {0, 1}
+    # Under it, only the engine with a free slot (counting the other replicas' requests) takes it...
+    room = RequestContext("m", room_beyond=0.0)
+    assert {pipeline.choose(d, room, loads)[0].endpoint.id for _ in range(4)} == {1}
+    # ... or, allowing a queue of one per engine, either.
+    queue = RequestContext("m", room_beyond=1.0)
+    assert {pipeline.choose(d, queue, loads)[0].endpoint.id for _ in range(4)} == {0, 1}
+    # When none can start it, none is ruled out (the others' counts may be stale).
+    loads[1].others_active = 2
+    assert {pipeline.choose(d, room, loads)[0].endpoint.id for _ in range(4)} == {0, 1}
 
 
 def test_decayed_work_halves_over_the_window_times_ln_2():
@@ -180,3 +202,87 @@ def test_a_waiter_past_its_class_limit_times_out_and_leaves_the_queue():
         assert abs(flow.tenants[1].get(time.monotonic(), 60.0) - 25.0) < 0.1  # corrected to the work done
 
     asyncio.run(run())
+
+
+def test_a_waiter_whose_prompt_one_engine_holds_waits_for_a_slot_there_while_others_pass():
+    d = deployment()  # two engines of 4 slots, 16-token blocks
+    loads = {0: EndpointLoad(), 1: EndpointLoad()}
+    # Held in one engine well beyond the other: worth waiting for, as long as computing the difference takes.
+    bound = affinity(d, loads, {0: 100, 1: 10})
+    assert bound is not None and bound.endpoint == 0
+    assert abs(bound.patience_s - 90 * 16 * DEFAULT_PREFILL_S_PER_TOKEN) < 1e-9
+    loads[1].prefill_s_per_token = 1e-4  # once learned, at the engines' speed
+    assert abs(affinity(d, loads, {0: 100, 1: 10}).patience_s - 90 * 16 * 1e-4) < 1e-9
+    # A difference shorter than AFFINITY_MIN_TOKENS, or nothing held, is no reason to wait.
+    assert affinity(d, loads, {0: 12, 1: 0}) is None
+    assert affinity(d, loads, {}) is None
+
+    async def run() -> None:
+        control = FlowControl({0: EndpointLoad(active=4), 1: EndpointLoad(active=4)})
+        flow = control.flow(d)
+        # B's prompt lives on engine 0; A's anywhere. B is further behind its share, so it comes first.
+        control.loads[1].prefill_s_per_token = 1e-3  # patience of 1.6 s
+        b = asyncio.ensure_future(control.enter(d, key(2, 1), "standard", 10.0, 0.0, {0: 100}))
+        await asyncio.sleep(0.01)
+        flow.charge(key(1, 1), 1000.0)
+        a = asyncio.ensure_future(control.enter(d, key(1, 1), "standard", 10.0, 0.0, {}))
+        await asyncio.sleep(0.01)
+        assert flow.waiting == 2
+        # Slots free on engine 1: B waits on for its engine; A, ahead of its share, may not take an engine's last
+        # two slots (the spare ones, saturation_spare_slots_per_engine, 2 by default)...
+        assert flow.ahead_of_share(time.monotonic(), 1) and not flow.ahead_of_share(time.monotonic(), 2)
+        control.loads[1].active = 2
+        control.wake(flow)
+        await asyncio.sleep(0.02)
+        assert not a.done() and not b.done()
+        # ... but the one before them.
+        control.loads[1].active = 1
+        control.wake(flow)
+        ticket_a = await asyncio.wait_for(a, 1.0)
+        assert ticket_a.endpoint is None and ticket_a.ahead and not b.done()
+        ticket_a.started()
+        control.loads[1].active = 4
+        # A slot frees on engine 0: reserved for B until its request is sent.
+        control.loads[0].active = 3
+        control.wake(flow)
+        ticket_b = await asyncio.wait_for(b, 1.0)
+        assert ticket_b.endpoint == 0 and not ticket_b.ahead and control.loads[0].reserved == 1
+        assert control.room_at(flow, 0) == 0
+        ticket_b.started()
+        assert control.loads[0].reserved == 0
+
+        # Past its patience, a waiter goes wherever a slot frees.
+        control.loads[0].active = 4
+        control.loads[1].prefill_s_per_token = 1e-5  # patience of 16 ms
+        late = asyncio.ensure_future(control.enter(d, key(2, 1), "standard", 10.0, 0.0, {0: 100}))
+        await asyncio.sleep(0.05)
+        control.loads[1].active = 3
+        control.wake(flow)
+        assert (await asyncio.wait_for(late, 1.0)).endpoint is None
+
+    asyncio.run(run())
+
+
+def test_the_spare_slots_are_kept_only_for_an_active_tenant_behind_its_share():
+    control = FlowControl({0: EndpointLoad(active=1), 1: EndpointLoad(active=1)})
+    d = deployment()  # two engines of 4 slots; two spare slots each by default
+    flow = control.flow(d)
+    now = time.monotonic()
+    a, b = key(1, 1), key(2, 1)
+    flow.charge(a, 1000.0)
+    flow.active_at[1] = now
+    assert not flow.ahead_of_share(now, 1)  # alone, it is ahead of no one
+    flow.charge(b, 10.0)
+    flow.active_at[2] = now
+    assert flow.ahead_of_share(now, 1) and not flow.ahead_of_share(now, 2)
+    # A's requests see the engines full two slots early; B's see all four.
+    assert control.room_at(flow, 0, ahead=True) == 1 and control.room_at(flow, 0) == 3
+    assert saturated(d, control.loads, 2, now, spare=2.0) == "queues"
+    assert saturated(d, control.loads, 2, now) == ""
+    # At most half an engine's slots are kept spare, however many the policy asks for.
+    assert (
+        control.room_at(control.flow(deployment(saturation_spare_slots_per_engine=8.0)), 0, ahead=True) == 1
+    )
+    # Once B has gone quiet, A may have everything again.
+    flow.active_at[2] = now - 60.0
+    assert not flow.ahead_of_share(now, 1)

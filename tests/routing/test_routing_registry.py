@@ -137,6 +137,7 @@ def test_the_snapshot_reads_every_policy_field():
         "pd_split_threshold_tokens": 4096,
         "flow_control": False,
         "saturation_waiting_per_engine": 1.5,
+        "saturation_spare_slots_per_engine": 0.0,
         "saturation_kv_utilization": 0.8,
         "saturation_prefill_tokens_per_engine": 8192,
         "max_wait_interactive_s": 5.0,

@@ -70,7 +70,7 @@ def test_the_flow_control_fields_have_a_fieldset_of_their_own(world, admin_clien
     fieldset = page[start : page.index("</fieldset>", start)]
     flow = {"flow_control", "saturation_waiting_per_engine", "saturation_kv_utilization"}
     flow |= {"saturation_prefill_tokens_per_engine", "max_wait_interactive_s", "max_wait_standard_s"}
-    flow |= {"max_wait_batch_s"}
+    flow |= {"max_wait_batch_s", "saturation_spare_slots_per_engine"}
     for field in policy_fields():
         assert f'name="{field.name}"' in page, field.name  # every field the router reads is editable
         assert (f'name="{field.name}"' in fieldset) == (field.name in flow), field.name

@@ -321,6 +321,7 @@ def test_routing_policies_carry_the_flow_control_settings(world, client_for):
     for name in (
         "flow_control",
         "saturation_waiting_per_engine",
+        "saturation_spare_slots_per_engine",
         "saturation_kv_utilization",
         "saturation_prefill_tokens_per_engine",
         "max_wait_interactive_s",
