@@ -420,7 +420,10 @@ class FlowControl:
             affinity(deployment, self.loads, held or {}),
         )
         flow.push(waiter)
-        self._arm(flow)
+        # Its turn may be now (a spare slot it may take, a slot on its engine): look at once, not at the next poll.
+        if flow._wakeup is not None:
+            flow._wakeup.cancel()
+        flow._wakeup = asyncio.get_running_loop().call_soon(self.pump, flow)
         limit = max_wait(deployment, priority)
         try:
             async with asyncio.timeout(limit):
