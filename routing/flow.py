@@ -382,6 +382,7 @@ class FlowControl:
         flow = self.flows.get(deployment.id)
         if flow is None:
             flow = self.flows[deployment.id] = DeploymentFlow(self, deployment)
+            metrics.of(metrics.flow_saturated, deployment.served_model_name).set(0)
         else:
             flow.deployment = deployment  # the latest snapshot's endpoints and policy
         return flow
@@ -408,9 +409,13 @@ class FlowControl:
         now = time.monotonic()
         if not deployment.policy.flow_control:
             return self._let_through(flow, key, priority, work, 0.0)
-        ahead = flow.ahead_of_share(now, key.tenant_id)
-        if not flow.waiting and not self._saturated(flow, now, ahead):
-            return self._let_through(flow, key, priority, work, 0.0, ahead)
+        if not flow.waiting and not self._saturated(flow, now):
+            # Room, and nobody waiting: it goes, unless only spare slots are left and its tenant is ahead of its
+            # share (the share is looked at only then: this is every request's path).
+            spare = deployment.policy.saturation_spare_slots_per_engine
+            tight = bool(spare) and bool(saturated(deployment, self.loads, flow.pending, now, spare))
+            if not (tight and flow.ahead_of_share(now, key.tenant_id)):
+                return self._let_through(flow, key, priority, work, 0.0)
         waiter = Waiter(
             key,
             priority,
@@ -493,11 +498,10 @@ class FlowControl:
                 self._saturated(flow, now)
             )
         reason = saturated(flow.deployment, self.loads, flow.pending, now)
-        if reason and flow.saturated_since is None:
-            flow.saturated_since = now
-        elif not reason:
-            flow.saturated_since = None
-        metrics.of(metrics.flow_saturated, flow.deployment.served_model_name).set(1 if reason else 0)
+        was = flow.saturated_since is not None
+        if bool(reason) != was:  # the gauge is set on a change only: this runs for every request
+            flow.saturated_since = now if reason else None
+            metrics.of(metrics.flow_saturated, flow.deployment.served_model_name).set(1 if reason else 0)
         return bool(reason)
 
     def pump(self, flow: DeploymentFlow) -> None:
