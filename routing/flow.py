@@ -408,14 +408,16 @@ class FlowControl:
         model = deployment.served_model_name
         now = time.monotonic()
         if not deployment.policy.flow_control:
-            return self._let_through(flow, key, priority, work, 0.0)
+            self._let_through(flow, key, priority, work)
+            return Ticket(flow, key, priority, work, 0.0)
         if not flow.waiting and not self._saturated(flow, now):
             # Room, and nobody waiting: it goes, unless only spare slots are left and its tenant is ahead of its
             # share (the share is looked at only then: this is every request's path).
             spare = deployment.policy.saturation_spare_slots_per_engine
             tight = bool(spare) and bool(saturated(deployment, self.loads, flow.pending, now, spare))
             if not (tight and flow.ahead_of_share(now, key.tenant_id)):
-                return self._let_through(flow, key, priority, work, 0.0)
+                self._let_through(flow, key, priority, work)
+                return Ticket(flow, key, priority, work, 0.0)
         waiter = Waiter(
             key,
             priority,
@@ -453,15 +455,8 @@ class FlowControl:
         endpoint, ahead = waiter.future.result()
         return Ticket(flow, key, priority, work, waited, endpoint, ahead)
 
-    def _let_through(
-        self,
-        flow: DeploymentFlow,
-        key: KeyInfo,
-        priority: str,
-        work: float,
-        waited: float,
-        ahead: bool = False,
-    ) -> Ticket:
+    def _let_through(self, flow: DeploymentFlow, key: KeyInfo, priority: str, work: float) -> None:
+        """Count a request let through: pending until sent, its tenant active, its estimated work charged."""
         flow.pending += 1
         flow.active_at[key.tenant_id] = time.monotonic()
         flow.weights[key.tenant_id] = key.tenant_weight
@@ -470,7 +465,6 @@ class FlowControl:
         metrics.of(
             metrics.flow_dispatched, flow.deployment.served_model_name, priority, str(key.tenant_id)
         ).inc()
-        return Ticket(flow, key, priority, work, waited, ahead=ahead)
 
     def room_at(self, flow: DeploymentFlow, endpoint_id: int, ahead: bool = False) -> float:
         """Slots free on that engine: its max_num_seqs plus the queue the policy allows (less the spare slots,
@@ -536,7 +530,7 @@ class FlowControl:
             waiter = flow.pop(priority, tenant_id, team_id)
             if waiter.future.done():  # cancelled meanwhile
                 continue
-            self._let_through(flow, waiter.key, waiter.priority, waiter.work, now - waiter.arrived)
+            self._let_through(flow, waiter.key, waiter.priority, waiter.work)
             if endpoint is not None:
                 self.loads.setdefault(endpoint, EndpointLoad()).reserved += 1
             waiter.future.set_result((endpoint, ahead))
