@@ -241,7 +241,7 @@ async def bench_agent_turn(redis_url: str) -> list[tuple]:
             t0 = time.perf_counter()
             parsed = orjson.loads(body)
             t1 = time.perf_counter()
-            text = tokenizer.render(tokenizer.chat_inputs(parsed, path))
+            text = tokenizer.render_request(parsed, path)
             t2 = time.perf_counter()
             ids = tokenizer.encode_text(text)
             t3 = time.perf_counter()

@@ -73,7 +73,10 @@ class PromptKeyCache:
         if group is not None:
             self._groups.move_to_end(head)
             for old_raw, old_keys in reversed(group):
-                shared = _shared_blocks(raw, old_raw, min(len(old_keys), count), step)
+                most = min(len(old_keys), count)
+                if most <= reuse:  # an earlier, shorter turn of the same conversation: it cannot share more
+                    continue
+                shared = _shared_blocks(raw, old_raw, most, step)
                 if shared > reuse:
                     reuse, known = shared, old_keys
                     if shared == count:
@@ -97,14 +100,21 @@ class PromptKeyCache:
 
 
 def _shared_blocks(raw: bytes, old: bytes, most: int, step: int) -> int:
-    """How many leading blocks of `raw` equal `old`'s, at most `most`: one comparison when all do (the
-    common case), else a binary search, each step a memcmp without copying."""
-    if raw.startswith(memoryview(old)[: most * step]):
+    """How many leading blocks of `raw` equal `old`'s, at most `most`: one comparison when all do, and when the
+    last differs (a next turn, where the previous prompt's last block held its generation prompt) the next
+    comparisons step back from the end, doubling; then a binary search. Each is a memcmp without copying."""
+    view = memoryview(old)
+    if raw.startswith(view[: most * step]):
         return most
-    low, high = 1, most - 1  # the first block is shared (same group); block `most` is not
+    low, high, back = 1, most - 1, 1  # the first block is shared (same group); block `most` is not
+    while high - back > low:
+        if raw.startswith(view[: (high - back + 1) * step]):
+            low = high - back + 1
+            break
+        high, back = high - back, back * 2
     while low < high:
         middle = (low + high + 1) // 2
-        if raw.startswith(memoryview(old)[: middle * step]):
+        if raw.startswith(view[: middle * step]):
             low = middle
         else:
             high = middle - 1

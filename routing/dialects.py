@@ -291,12 +291,18 @@ class ChatInputs:
     kwargs: dict  # the template's other variables: add_generation_prompt, enable_thinking, ...
 
 
-def chat_inputs(payload: dict, traits: TemplateTraits = TemplateTraits()) -> ChatInputs:
+def each(items: list, convert) -> list:
+    """`convert` applied to each item: the conversions take it as `each`, so that a caller may reuse what earlier
+    items converted to (the router does, for a conversation's next turn)."""
+    return [convert(item) for item in items]
+
+
+def chat_inputs(payload: dict, traits: TemplateTraits = TemplateTraits(), *, each=each) -> ChatInputs:
     """A chat-completions request body as its chat template sees it."""
     messages = payload.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RenderError("bad_messages", "`messages` must be a non-empty list.")
-    conversation = [_chat_message(message, traits) for message in messages]
+    conversation = each(messages, lambda message: _chat_message(message, traits))
     if not traits.developer_role and any(m["role"] == "developer" for m in conversation):
         conversation = _developer_as_system(conversation)
     tools = payload.get("tools")
@@ -481,7 +487,7 @@ def _tool(tool) -> dict:
 # --- Anthropic Messages as a chat-completions request ---------------------------------------------------
 
 
-def anthropic_chat_request(payload: dict, *, merge_inline_system: bool = False) -> dict:
+def anthropic_chat_request(payload: dict, *, merge_inline_system: bool = False, each=each) -> dict:
     """The chat-completions request an Anthropic Messages request becomes in the engine: system blocks joined,
     tool_use as assistant tool_calls, tool_result as tool messages, thinking as reasoning, tools as functions."""
     messages: list[dict] = []
@@ -497,8 +503,8 @@ def anthropic_chat_request(payload: dict, *, merge_inline_system: bool = False) 
                     system.append("".join(text))
     if system:
         messages.append({"role": "system", "content": "".join(system)})
-    for message in inline:
-        messages.extend(_anthropic_message(message, merge_inline_system))
+    for converted in each(inline, lambda message: _anthropic_message(message, merge_inline_system)):
+        messages.extend(converted)
     request: dict = {"messages": messages}
     if payload.get("chat_template_kwargs") is not None:
         request["chat_template_kwargs"] = payload["chat_template_kwargs"]

@@ -8,6 +8,7 @@ proportion to its new text, and the ids equal those of tokenising the whole text
 from __future__ import annotations
 
 import json
+import logging
 import re
 from array import array
 from collections import OrderedDict
@@ -19,6 +20,7 @@ from jinja2.runtime import LoopContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from .chat_render import Conversations, Ineligible, MessageLoop, SplitTemplate
 from .dialects import (
     ChatInputs,
     RenderError,
@@ -27,6 +29,8 @@ from .dialects import (
     chat_inputs,
     responses_chat_request,
 )
+
+log = logging.getLogger(__name__)
 
 
 def token_ids(prompt) -> array | None:
@@ -100,7 +104,7 @@ class TemplateSandbox(ImmutableSandboxedEnvironment):
     a loop object is Jinja's own and its public attributes are plain values."""
 
     def getattr(self, obj, attribute: str):
-        if obj.__class__ is LoopContext and not attribute.startswith("_"):
+        if (obj.__class__ is LoopContext or obj.__class__ is MessageLoop) and not attribute.startswith("_"):
             try:
                 return getattr(obj, attribute)
             except AttributeError:
@@ -153,6 +157,13 @@ class RouterTokenizer:
         env.globals["raise_exception"] = _raise
         self.template = env.from_string(template) if template else None
         self.template_source = template or ""
+        self.split: SplitTemplate | None = None
+        if template:
+            try:
+                self.split = SplitTemplate(env, template)
+            except Ineligible as exc:  # rendered whole every turn
+                log.info("%s: each turn renders the whole chat template: %s", folder.name, exc)
+        self.conversations = Conversations(RECENT_MAX_CHARS)
 
     def chat_inputs(self, payload: dict, path: str = "/v1/chat/completions") -> ChatInputs:
         """What the engine's template will see for a request to `path` (chat completions or Anthropic
@@ -171,16 +182,48 @@ class RouterTokenizer:
         if inputs.kwargs.get("continue_final_message"):
             messages, final = self._tag_final_message(messages)
         try:
-            text = self.template.render(
-                messages=messages,
-                tools=inputs.tools,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
-                **inputs.kwargs,
-            )
+            text = self.template.render(self._variables(messages, inputs))
         except jinja2.TemplateError as exc:
             raise RenderError("template_error", f"the chat template refused the request: {exc}") from exc
         return text if final is None else _cut_at_tag(text, final)
+
+    def _variables(self, messages: list[dict], inputs: ChatInputs) -> dict:
+        return {
+            "messages": messages,
+            "tools": inputs.tools,
+            "bos_token": self.bos_token or "",
+            "eos_token": self.eos_token or "",
+            **inputs.kwargs,
+        }
+
+    def render_request(self, payload: dict, path: str) -> str:
+        """A chat or Anthropic messages request's prompt text, as `render(chat_inputs(...))` gives it. For a
+        conversation's next turn, the messages it shares with a recent turn are neither converted nor rendered
+        again (routing/chat_render.py)."""
+        messages = payload.get("messages")
+        if (
+            self.split is None
+            or path not in (CHAT, MESSAGES)
+            or not isinstance(messages, list)
+            or not messages
+        ):
+            return self.render(self.chat_inputs(payload, path))
+        conversation = self.conversations.find(path, messages)
+        if path == MESSAGES:
+            payload = anthropic_chat_request(
+                payload,
+                merge_inline_system=self.merge_inline_system,
+                each=conversation.layer("anthropic").map,
+            )
+        inputs = chat_inputs(payload, self.traits, each=conversation.layer("chat").map)
+        if inputs.kwargs.get("continue_final_message"):
+            return self.render(inputs)
+        try:
+            text, turn = self.split.render(self._variables(inputs.messages, inputs), conversation.turn)
+        except jinja2.TemplateError as exc:
+            raise RenderError("template_error", f"the chat template refused the request: {exc}") from exc
+        self.conversations.rendered(conversation, messages, turn)
+        return text
 
     def _tag_final_message(self, messages: list[dict]) -> tuple[list[dict], str]:
         """The conversation with a tag after the final message's text, as transformers marks where a message to
@@ -290,13 +333,14 @@ class RouterTokenizer:
 
     def encode_request(self, payload: dict, path: str) -> array:
         """The prompt token ids the engine will compute for a chat or Anthropic messages request."""
-        return self.encode_text(self.render(self.chat_inputs(payload, path)))
+        return self.encode_text(self.render_request(payload, path))
 
     def encode_prompt(self, prompt: str) -> array:
         """A completions prompt, as the engine tokenises it (with the tokenizer's own special tokens)."""
         return array("I", self.tokenizer.encode(prompt, add_special_tokens=True).ids)
 
 
+CHAT, MESSAGES = "/v1/chat/completions", "/v1/messages"
 CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 

@@ -26,6 +26,7 @@ from .usage import usage_events
 def ingester_process(transactional_db):
     env = {**os.environ, "DATABASE_URL": database_url()}
     log_path = ROOT / ".local" / "test-engines" / f"ingester-{os.getpid()}-{time.monotonic_ns()}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("wb") as log:
         process = subprocess.Popen(
             [sys.executable, "manage.py", "run_kv_ingester"],
