@@ -374,6 +374,23 @@ def machine() -> str:
     return f"{model or platform.processor()}, {os.cpu_count()} cores, Linux {platform.release()}"
 
 
+def cpu_ticks() -> list[int]:
+    """The machine's CPU time so far by kind, from /proc/stat (user, nice, system, idle, iowait, irq, softirq,
+    steal, ...); empty where there is none."""
+    with contextlib.suppress(OSError, ValueError):
+        return [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return []
+
+
+def steal_share(before: list[int], after: list[int]) -> float | None:
+    """The share of the machine's time between two `cpu_ticks` that its host gave to others (a VM's steal
+    time): timings taken meanwhile are slower by about as much, on the core that was waiting."""
+    if len(before) < 8 or len(after) < 8:
+        return None
+    spent = [b - a for a, b in zip(before, after, strict=False)]
+    return spent[7] / sum(spent) if sum(spent) else None
+
+
 def command(module: str, argv: list[str]) -> str:
     """The command line that reruns this benchmark, as the report shows it."""
     return (f".venv/bin/python -m bench.{module} " + shlex.join(argv)).strip()

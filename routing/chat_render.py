@@ -68,6 +68,7 @@ class RenderedTurn:
     head: str = ""  # what the part before the loop rendered to
     assigned: dict = field(default_factory=dict)  # the variables it set
     seen: dict | None = None  # those, comparable
+    text: str = ""  # the whole render
 
 
 class SplitTemplate:
@@ -173,9 +174,10 @@ class SplitTemplate:
     def _neighbour(self, offset: int) -> None:
         self.low, self.high = min(self.low, offset), max(self.high, offset)
 
-    def render(self, variables: dict, previous: RenderedTurn | None) -> tuple[str, RenderedTurn]:
+    def render(self, variables: dict, previous: RenderedTurn | None) -> tuple[str, RenderedTurn, int]:
         """The template rendered with `variables` (messages among them), reusing what `previous` rendered for
-        the leading messages it had too; and what this render leaves for the next turn."""
+        the leading messages it had too; what this render leaves for the next turn; and how many leading
+        characters of the text are known to equal `previous.text`'s."""
         messages = variables["messages"]
         given = {k: v for k, v in variables.items() if k != "messages"}
         same = previous is not None and previous.given == given
@@ -190,19 +192,26 @@ class SplitTemplate:
         reusable = 0
         if same and previous.seen == seen and shared > self.fixed:
             reusable = min(shared - self.high, len(previous.pieces))
-        names = variables | assigned
+        names = {**self.body.globals, **variables, **assigned}  # what a message sees in the loop
         first = min(-self.low, reusable)  # messages whose neighbour before them would wrap to the end
         pieces = [self._piece(names, messages, i) for i in range(first)]
         pieces += previous.pieces[first:reusable] if reusable > first else ()
         pieces += [self._piece(names, messages, i) for i in range(len(pieces), len(messages))]
-        tail = "".join(self.post.root_render_func(self.post.new_context(names)))
+        tail = "".join(self.post.root_render_func(self.post.new_context(names, shared=True)))
         text = "".join([head, *pieces, tail])
-        return text, RenderedTurn(list(messages), pieces, given, head, assigned, seen)
+        known = 0
+        if previous is not None and (head is previous.head or head == previous.head):
+            known = len(head)
+            for new, old in zip(pieces, previous.pieces, strict=False):
+                if new is not old and new != old:
+                    break
+                known += len(new)
+        return text, RenderedTurn(list(messages), pieces, given, head, assigned, seen, text), known
 
     def _piece(self, names: dict, messages: list, i: int) -> str:
         """What the loop's body renders for message `i`."""
         loop = MessageLoop(messages, i, self.env.undefined)
-        context = self.body.new_context(names | {self.target: messages[i], "loop": loop})
+        context = self.body.new_context(names | {self.target: messages[i], "loop": loop}, shared=True)
         return "".join(self.body.root_render_func(context))
 
 
@@ -338,7 +347,7 @@ class Conversation:
 
     @property
     def size(self) -> int:
-        return sum(map(len, self.turn.pieces)) if self.turn else 0
+        return len(self.turn.text) if self.turn else 0  # about what its pieces hold
 
 
 HEAD_CHARS = 200

@@ -84,7 +84,9 @@ for j = 1, #first, 2 do
   end
   local depth = lo
   local fast = 0
-  if first[j + 1] ~= 'c' then
+  if first[j + 1] ~= 'c' and redis.call('HGET', key(depth), endpoint) ~= 'c' then
+    fast = depth  -- its last block is on the GPU, so all before it are
+  elseif first[j + 1] ~= 'c' then
     local glo, ghi = 1, depth
     while glo < ghi do
       local mid = math.floor((glo + ghi + 1) / 2)

@@ -7,6 +7,7 @@ proportion to its new text, and the ids equal those of tokenising the whole text
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import re
@@ -200,6 +201,11 @@ class RouterTokenizer:
         """A chat or Anthropic messages request's prompt text, as `render(chat_inputs(...))` gives it. For a
         conversation's next turn, the messages it shares with a recent turn are neither converted nor rendered
         again (routing/chat_render.py)."""
+        return self.render_prompt(payload, path)[0]
+
+    def render_prompt(self, payload: dict, path: str) -> tuple[str, tuple[str, int] | None]:
+        """The prompt text, and the recent text its leading characters are known to equal, with how many (for
+        `encode_text`)."""
         messages = payload.get("messages")
         if (
             self.split is None
@@ -207,7 +213,7 @@ class RouterTokenizer:
             or not isinstance(messages, list)
             or not messages
         ):
-            return self.render(self.chat_inputs(payload, path))
+            return self.render(self.chat_inputs(payload, path)), None
         conversation = self.conversations.find(path, messages)
         if path == MESSAGES:
             payload = anthropic_chat_request(
@@ -217,13 +223,14 @@ class RouterTokenizer:
             )
         inputs = chat_inputs(payload, self.traits, each=conversation.layer("chat").map)
         if inputs.kwargs.get("continue_final_message"):
-            return self.render(inputs)
+            return self.render(inputs), None
+        previous = conversation.turn
         try:
-            text, turn = self.split.render(self._variables(inputs.messages, inputs), conversation.turn)
+            text, turn, known = self.split.render(self._variables(inputs.messages, inputs), previous)
         except jinja2.TemplateError as exc:
             raise RenderError("template_error", f"the chat template refused the request: {exc}") from exc
         self.conversations.rendered(conversation, messages, turn)
-        return text
+        return text, (previous.text, known) if known else None
 
     def _tag_final_message(self, messages: list[dict]) -> tuple[list[dict], str]:
         """The conversation with a tag after the final message's text, as transformers marks where a message to
@@ -258,14 +265,15 @@ class RouterTokenizer:
             del payload["tools"]
         return self.render(chat_inputs(payload, self.traits))
 
-    def encode_text(self, text: str) -> array:
+    def encode_text(self, text: str, known: tuple[str, int] | None = None) -> array:
         """Token ids of `text` with no added special tokens. The part a recent text shared up to one of its
         special tokens is taken from that text's ids (an agent's next turn re-sends the whole conversation);
-        the rest comes from cached pieces where it repeats."""
+        the rest comes from cached pieces where it repeats. `known`: a recent text and how many leading
+        characters `text` is known to share with it (the render reused them), so they need no comparing."""
         if not self.special:
             return self._encode_pieces(text, 0, array("I"), [])
         head = text[:RECENT_HEAD]
-        start, ids, marks = self._recent_prefix(head, text)
+        start, ids, marks = (known and self._known_prefix(head, *known)) or self._recent_prefix(head, text)
         ids = self._encode_pieces(text, start, ids, marks)
         group = self._recent.setdefault(head, [])
         group.append((text, ids, marks))
@@ -277,6 +285,17 @@ class RouterTokenizer:
             _, dropped = self._recent.popitem(last=False)
             self._recent_chars -= sum(len(entry[0]) for entry in dropped)
         return ids
+
+    def _known_prefix(self, head: str, old_text: str, chars: int) -> tuple[int, array, list] | None:
+        """The ids of `old_text` up to its last special token within its first `chars` characters."""
+        for entry_text, old_ids, old_marks in self._recent.get(head, ()):
+            if entry_text is old_text:
+                found = bisect.bisect_right(old_marks, (chars, len(old_ids))) - 1
+                if found < 0:
+                    return None
+                end, count = old_marks[found]
+                return end, old_ids[:count], old_marks[: found + 1]
+        return None
 
     def _recent_prefix(self, head: str, text: str) -> tuple[int, array, list]:
         """The longest run of `text`, ending just after a special token, that a recent text had too: where it
@@ -333,7 +352,7 @@ class RouterTokenizer:
 
     def encode_request(self, payload: dict, path: str) -> array:
         """The prompt token ids the engine will compute for a chat or Anthropic messages request."""
-        return self.encode_text(self.render_request(payload, path))
+        return self.encode_text(*self.render_prompt(payload, path))
 
     def encode_prompt(self, prompt: str) -> array:
         """A completions prompt, as the engine tokenises it (with the tokenizer's own special tokens)."""

@@ -211,6 +211,16 @@ def test_each_next_turn_renders_as_the_whole_template_and_only_new_messages_are_
 
 
 @pytest.mark.parametrize("path", [CHAT, MESSAGES])
+def test_each_next_turn_tokenises_as_its_whole_text(path):
+    """The ids of the characters a turn shares with the last are taken from it without comparing them."""
+    tokenizer = tokenizer_with(None)
+    for payload in tool_session(path, 20, seed=5):
+        text = whole(tokenizer, payload, path)
+        expected = tokenizer.tokenizer.encode(text, add_special_tokens=False).ids
+        assert list(tokenizer.encode_request(payload, path)) == expected
+
+
+@pytest.mark.parametrize("path", [CHAT, MESSAGES])
 def test_a_changed_message_anywhere_is_rendered_again(path):
     tokenizer = tokenizer_with(REASONING)
     turns = tool_session(path, 12, seed=3)
@@ -290,3 +300,19 @@ def test_the_split_reads_neighbours_as_the_template_does():
     assert (split.low, split.high, split.pre_fixed) == (-1, 1, None)  # the reverse scan reads every message
     split = SplitTemplate(env, NUMBERED)
     assert (split.low, split.high, split.pre_fixed) == (0, 0, 0)
+
+
+def test_recent_conversations_are_kept_within_their_bound():
+    tokenizer = tokenizer_with(None)
+    tokenizer.conversations.max_chars = 5_000
+    sessions = [tool_session(CHAT, 8, seed=seed) for seed in range(12)]
+    for turn in range(9):
+        for session in sessions:
+            payload = copy.deepcopy(session[turn])
+            payload["messages"][1]["content"] += f" (session {sessions.index(session)})"
+            assert tokenizer.render_request(payload, CHAT) == whole(tokenizer, payload, CHAT)
+    conversations = tokenizer.conversations
+    kept = [c for group in conversations._groups.values() for c in group]
+    assert conversations._chars == sum(c.counted for c in kept)
+    assert conversations._chars <= 5_000 or len(conversations._groups) == 1
+    assert len(kept) < len(sessions)
