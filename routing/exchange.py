@@ -21,7 +21,7 @@ from .framework import RequestContext
 from .load import RECENT_WINDOW_S, EndpointLoad, Prefill
 from .state import DeploymentInfo, KeyInfo
 from .steps import request_weight
-from .upstream import Response, UpstreamConnectError, UpstreamError, UpstreamTimeout
+from .upstream import Response, StallWatch, UpstreamConnectError, UpstreamError, UpstreamTimeout
 from .wire import JSON_HEADERS, Receive, Send, encode_headers, respond
 
 if TYPE_CHECKING:
@@ -306,6 +306,13 @@ class Exchange:
         """Pass the engine's events on as they come. The response starts with the first event, so an engine that
         sends nothing within the first-token limit can be given up for another; then each piece must follow the
         last within the stall limit. Running usage the router asked for is taken out of the client's events."""
+        stall = StallWatch(self.stall_timeout)
+        try:
+            await self._relay_events(resp, deadline, stall)
+        finally:
+            stall.close()
+
+    async def _relay_events(self, resp: Response, deadline: asyncio.Timeout, stall: StallWatch) -> None:
         dialect = self.request.dialect
         strip = dialect is OPENAI and not self.request.running_usage
         client_wants_usage = self.request.client_wants_usage
@@ -318,13 +325,18 @@ class Exchange:
                         chunk = await anext(chunks)  # under the first-token deadline
                         deadline.reschedule(None)
                     else:
-                        async with asyncio.timeout(self.stall_timeout):
+                        stall.waiting()
+                        try:
                             chunk = await anext(chunks)
+                        finally:
+                            stall.done()
                 except StopAsyncIteration:
                     break
-                except TimeoutError:
-                    metrics.of(metrics.errors, self.model, "stall_timeout").inc()
-                    raise UpstreamTimeout(f"nothing for {self.stall_timeout:g} s") from None
+                except asyncio.CancelledError:
+                    if stall.fired:
+                        metrics.of(metrics.errors, self.model, "stall_timeout").inc()
+                    stall.check()
+                    raise
                 buffer += chunk
                 end = buffer.rfind(b"\n\n") + 2
                 if end < 2:

@@ -36,6 +36,53 @@ class UpstreamClosed(UpstreamError):
     pass
 
 
+class StallWatch:
+    """Gives up a wait for an engine's next piece that lasts `limit` seconds, at the cost of two attribute
+    writes per piece: one timer per stream, moved on lazily, where a timeout context per piece (a timer
+    scheduled and cancelled each time) cost about 10 us a piece. When a wait runs over, the waiting task is
+    cancelled and `check` turns that cancellation into UpstreamTimeout."""
+
+    def __init__(self, limit: float):
+        self.limit = limit
+        self.loop = asyncio.get_running_loop()
+        self.task = asyncio.current_task()
+        self.since: float | None = None  # when the current wait began; None while not waiting
+        self.fired = False
+        self._handle: asyncio.TimerHandle | None = None
+
+    def waiting(self) -> None:
+        self.since = self.loop.time()
+        if self._handle is None:
+            self._handle = self.loop.call_at(self.since + self.limit, self._due)
+
+    def done(self) -> None:
+        self.since = None
+
+    def _due(self) -> None:
+        self._handle = None
+        if self.since is None:
+            return  # not waiting: the next wait schedules the timer again
+        due = self.since + self.limit
+        if self.loop.time() >= due:
+            self.fired = True
+            self.task.cancel()
+        else:
+            self._handle = self.loop.call_at(due, self._due)
+
+    def check(self) -> None:
+        """In a handler of CancelledError: raise UpstreamTimeout if the cancellation was this watch's doing
+        (else the caller re-raises it)."""
+        if self.fired:
+            self.fired = False
+            if self.task.uncancel() == 0:  # else someone else cancelled the task too: that stands
+                raise UpstreamTimeout(f"nothing for {self.limit:g} s") from None
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+
 class _Connection(asyncio.Protocol):
     def __init__(self, pool: UpstreamPool, key: tuple[str, int]):
         self.pool, self.key = pool, key

@@ -410,6 +410,7 @@ def test_a_stream_that_stalls_ends_with_an_error_after_the_stall_limit(fleet):
     assert '"content":"a"' in text and "nothing for 1 s" in text
     (event,) = usage_events([request_id], wait_for=1)
     assert event.status == "failed" and event.output_tokens == 1
+    assert 'kind="stall_timeout"' in httpx.get(f"{fleet.router.url}/metrics").text
 
 
 def test_a_replica_bounds_its_concurrent_requests(transactional_db):

@@ -226,3 +226,40 @@ def test_an_engine_on_an_ipv6_address():
             assert response.status == 200 and b'"ok": true' in await response.read()
 
     run(check, host="::1")
+
+
+def test_a_stall_watch_gives_up_only_a_wait_that_runs_over_its_limit():
+    from routing.upstream import StallWatch, UpstreamTimeout
+
+    async def waits(pieces: list[float], idle: float, limit: float) -> None:
+        """Wait for each piece (seconds) under the watch, idling between waits without it."""
+        watch = StallWatch(limit)
+        try:
+            for piece in pieces:
+                watch.waiting()
+                try:
+                    await asyncio.sleep(piece)
+                except asyncio.CancelledError:
+                    watch.check()
+                    raise
+                finally:
+                    watch.done()
+                await asyncio.sleep(idle)  # sending to the client: not the engine's time
+        finally:
+            watch.close()
+
+    # Short waits with long pauses between them: the pauses do not count.
+    asyncio.run(waits([0.02] * 5, idle=0.08, limit=0.05))
+    # One wait longer than the limit is given up.
+    with pytest.raises(UpstreamTimeout):
+        asyncio.run(waits([0.01, 0.3], idle=0, limit=0.05))
+
+    async def cancelled_from_outside() -> None:
+        task = asyncio.create_task(waits([5], idle=0, limit=10))
+        await asyncio.sleep(0.02)
+        task.cancel()
+        await task
+
+    # A cancellation that is not the watch's stays a cancellation.
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(cancelled_from_outside())
