@@ -108,16 +108,14 @@ class Dialect:
         at = event.find(b',"usage":{')
         if at < 0:
             return event
-        depth, index = 0, at + 9
-        while index < len(event):
-            byte = event[index]
-            if byte == 0x7B:  # {
-                depth += 1
-            elif byte == 0x7D:  # }
-                depth -= 1
-                if depth == 0:
-                    return event[:at] + event[index + 1 :]
-            index += 1
+        # Its end: the first "}" with as many "{" before it since the object opened; found and counted in C,
+        # where a loop over the bytes in Python cost about 8 us an event.
+        depth, position = 0, at + 9
+        while (close := event.find(b"}", position)) >= 0:
+            depth += event.count(b"{", position, close) - 1
+            if depth == 0:
+                return event[:at] + event[close + 1 :]
+            position = close + 1
         return event
 
     def is_content_event(self, event: bytes) -> bool:

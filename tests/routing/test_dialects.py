@@ -64,3 +64,26 @@ def test_the_usage_event_and_the_end_are_never_in_the_plain_prefix():
 def test_a_dialect_without_markers_looks_at_every_event():
     stream = b'event: content_block_delta\ndata: {"type":"content_block_delta"}\n\n'
     assert ANTHROPIC.plain_prefix(stream) == 0
+
+
+@pytest.mark.parametrize(
+    "event, stripped",
+    [
+        (
+            b'data: {"choices":[{"delta":{"content":"a}"}}],"usage":{"prompt_tokens":5,"completion_tokens":1}}',
+            b'data: {"choices":[{"delta":{"content":"a}"}}]}',
+        ),
+        (  # counts nested in objects of counts
+            b'data: {"choices":[{}],"usage":{"prompt_tokens":5,"prompt_tokens_details":{"cached_tokens":4},'
+            b'"completion_tokens":1},"extra":1}',
+            b'data: {"choices":[{}],"extra":1}',
+        ),
+        (b'data: {"choices":[{"delta":{}}]}', b'data: {"choices":[{"delta":{}}]}'),  # none to take out
+        (
+            b'data: {"choices":[{}],"usage":{"prompt_tokens":5',
+            b'data: {"choices":[{}],"usage":{"prompt_tokens":5',
+        ),
+    ],
+)
+def test_the_running_usage_the_router_asked_for_is_taken_out_of_a_chunk(event, stripped):
+    assert OPENAI.without_running_usage(event) == stripped
