@@ -201,11 +201,16 @@ class SplitTemplate:
         text = "".join([head, *pieces, tail])
         known = 0
         if previous is not None and (head is previous.head or head == previous.head):
-            known = len(head)
-            for new, old in zip(pieces, previous.pieces, strict=False):
-                if new is not old and new != old:
+            # The leading pieces equal to last turn's: those reused, and any rendered again alike around them.
+            same, old = 0, previous.pieces
+            while same < len(pieces) and same < len(old):
+                if same == first and reusable > first:
+                    same = reusable
+                    continue
+                if pieces[same] != old[same]:
                     break
-                known += len(new)
+                same += 1
+            known = len(head) + sum(map(len, pieces[:same]))
         return text, RenderedTurn(list(messages), pieces, given, head, assigned, seen, text), known
 
     def _piece(self, names: dict, messages: list, i: int) -> str:

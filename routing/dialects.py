@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from operator import itemgetter
 
 import orjson
 
@@ -301,7 +302,7 @@ def chat_inputs(payload: dict, traits: TemplateTraits = TemplateTraits(), *, eac
     if not isinstance(messages, list) or not messages:
         raise RenderError("bad_messages", "`messages` must be a non-empty list.")
     conversation = each(messages, lambda message: _chat_message(message, traits))
-    if not traits.developer_role and any(m["role"] == "developer" for m in conversation):
+    if not traits.developer_role and "developer" in map(itemgetter("role"), conversation):
         conversation = _developer_as_system(conversation)
     tools = payload.get("tools")
     if tools is not None:
