@@ -73,7 +73,8 @@ class RenderedTurn:
 
 class SplitTemplate:
     """A chat template cut at its message loop: the part before it, the loop's body (rendered per message) and
-    the part after it. `dependencies` says which neighbours a message's text may depend on."""
+    the part after it. A message's text may depend on the messages from `low` to `high` places away from it and
+    on those up to index `fixed`; Ineligible when the template's loop may depend on more."""
 
     def __init__(self, env: jinja2.Environment, source: str):
         tree = env.parse(source)
@@ -202,15 +203,15 @@ class SplitTemplate:
         known = 0
         if previous is not None and (head is previous.head or head == previous.head):
             # The leading pieces equal to last turn's: those reused, and any rendered again alike around them.
-            same, old = 0, previous.pieces
-            while same < len(pieces) and same < len(old):
-                if same == first and reusable > first:
-                    same = reusable
+            equal, old = 0, previous.pieces
+            while equal < len(pieces) and equal < len(old):
+                if equal == first and reusable > first:
+                    equal = reusable
                     continue
-                if pieces[same] != old[same]:
+                if pieces[equal] != old[equal]:
                     break
-                same += 1
-            known = len(head) + sum(map(len, pieces[:same]))
+                equal += 1
+            known = len(head) + sum(map(len, pieces[:equal]))
         return text, RenderedTurn(list(messages), pieces, given, head, assigned, seen, text), known
 
     def _piece(self, names: dict, messages: list, i: int) -> str:
