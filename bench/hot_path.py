@@ -6,9 +6,13 @@
 - tokenisation per turn: a 200K-token conversation that grows by a short turn, tokenised with the router's
   piece cache (the first turn pays for everything, later turns for their new text only);
 - the router's whole per-turn cost for the next turn of a ~200K-token tool-using session, Claude Code-shaped and
-  OpenAI-shaped: parse the body, render it as the engine will, tokenise, block keys, the precise index lookup.
+  OpenAI-shaped: parse the body, render it as the engine will, tokenise, block keys, the precise index lookup;
+  each part, the turn's CPU time, and the render the whole template would take on the same turns.
 
-    .venv/bin/python -m bench.hot_path     (re-runs itself under the dev stack when REDIS_URL is unset)
+    .venv/bin/python -m bench.hot_path [--rounds N]     (re-runs itself under the dev stack when REDIS_URL is unset)
+
+With rounds, each row is the median of the rounds' medians, with their range; the last line says how much of the
+machine its host (a VM's) took for others meanwhile.
 """
 
 from __future__ import annotations
@@ -234,10 +238,11 @@ async def bench_agent_turn(redis_url: str) -> list[tuple]:
         prompt_keys = PromptKeyCache()
         prompt_keys.hex_keys(tokenizer.encode_request(payload, path), BLOCK, seed)
         parts: dict[str, list[float]] = {"parse": [], "render": [], "tokenise": [], "keys": [], "lookup": []}
-        totals, whole, size, turns = [], [], 0, []
+        totals, cpu, whole, size, turns = [], [], [], 0, []
         for turn in range(40):
             add_turn(payload, path, 1000 + turn, f"ok, step {turn} passes")
             body = orjson.dumps(payload)
+            c0 = time.process_time()
             t0 = time.perf_counter()
             parsed = orjson.loads(body)
             t1 = time.perf_counter()
@@ -252,6 +257,7 @@ async def bench_agent_turn(redis_url: str) -> list[tuple]:
             for part, (a, b) in zip(parts, ((t0, t1), (t1, t2), (t2, t3), (t3, t4), (t4, t5)), strict=True):
                 parts[part].append((b - a) * 1000)
             totals.append((t5 - t0) * 1000)
+            cpu.append((time.process_time() - c0) * 1000)
             size = len(ids)
             turns.append((body, text))
         # Side by side, on the same turns: the template rendered over every message, as each turn did before.
@@ -267,6 +273,7 @@ async def bench_agent_turn(redis_url: str) -> list[tuple]:
             await pipe.execute()
         rows.append(row(f"next turn, {name} ({size:,} tokens)", totals, "target: 3 ms"))
         short = "messages" if path == "/v1/messages" else "chat"
+        rows.append(row(f"  {short}: the same turns, CPU time", cpu, "the wall time less waits (Redis)"))
         rows += [row(f"  {short}: {part}", samples) for part, samples in parts.items()]
         rows.append(
             row(f"  {short}: render, the whole template instead", whole, "as every turn rendered before")
