@@ -208,13 +208,8 @@ class RouterTokenizer:
     def render_prompt(self, payload: dict, path: str) -> tuple[str, tuple[str, int] | None]:
         """The prompt text, and the recent text its leading characters are known to equal, with how many (for
         `encode_text`)."""
-        messages = payload.get("messages")
-        if (
-            self.split is None
-            or path not in (CHAT, MESSAGES)
-            or not isinstance(messages, list)
-            or not messages
-        ):
+        messages = payload.get("input" if path == RESPONSES else "messages")
+        if self.split is None or path not in PATHS or not isinstance(messages, list) or not messages:
             return self.render(self.chat_inputs(payload, path)), None
         conversation = self.conversations.find(path, messages)
         if path == MESSAGES:
@@ -223,6 +218,8 @@ class RouterTokenizer:
                 merge_inline_system=self.merge_inline_system,
                 each=conversation.layer("anthropic").map,
             )
+        elif path == RESPONSES:  # input items join each other: converted whole, the messages compared after
+            payload = responses_chat_request(payload)
         inputs = chat_inputs(payload, self.traits, each=conversation.layer("chat").map)
         if inputs.kwargs.get("continue_final_message"):
             return self.render(inputs), None
@@ -361,7 +358,8 @@ class RouterTokenizer:
         return array("I", self.tokenizer.encode(prompt, add_special_tokens=True).ids)
 
 
-CHAT, MESSAGES = "/v1/chat/completions", "/v1/messages"
+CHAT, MESSAGES, RESPONSES = "/v1/chat/completions", "/v1/messages", "/v1/responses"
+PATHS = (CHAT, MESSAGES, RESPONSES)
 CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 

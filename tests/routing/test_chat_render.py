@@ -13,7 +13,7 @@ from routing.chat_render import Ineligible, SplitTemplate
 from routing.tokenize import RouterTokenizer, TemplateSandbox
 
 from ..serving.engines import MODEL_DIR
-from .render_corpus import CASES, CHAT, MESSAGES
+from .render_corpus import CASES, CHAT, MESSAGES, RESPONSES
 
 # A template in the manner of the reasoning models': a namespace set by a reverse scan before the loop decides
 # which assistant turns keep their reasoning, a macro renders content, and the loop looks at its neighbours.
@@ -122,7 +122,15 @@ def tool_session(path: str, turns: int, seed: int = 0) -> list[dict]:
         {"name": f"tool_{i}", "description": f"Tool {i}.", "input_schema": {"type": "object"}}
         for i in range(3)
     ]
-    if path == MESSAGES:
+    if path == RESPONSES:
+        payload = {
+            "instructions": "You are a coding agent.",
+            "tools": [
+                {"type": "function", "name": t["name"], "parameters": t["input_schema"]} for t in tools
+            ],
+            "input": [{"type": "message", "role": "user", "content": "Fix the failing test."}],
+        }
+    elif path == MESSAGES:
         payload = {
             "system": [
                 {"type": "text", "text": "You are a coding agent.", "cache_control": {"type": "ephemeral"}}
@@ -152,9 +160,45 @@ def tool_session(path: str, turns: int, seed: int = 0) -> list[dict]:
         else:
             new = [assistant(path, turn, calls), result(path, calls[0])]
             pending = calls[1] if len(calls) > 1 else None
-        payload["messages"] = payload["messages"] + new
+        field = "input" if path == RESPONSES else "messages"
+        if path == RESPONSES:
+            new = [item for message in new for item in responses_items(message)]
+        payload[field] = payload[field] + new
         out.append(json.loads(json.dumps(payload)))
     return out
+
+
+def responses_items(message: dict) -> list[dict]:
+    """A chat message as Codex sends it to the Responses API: reasoning, text and calls as items of their own."""
+    if message["role"] == "tool":
+        return [
+            {"type": "function_call_output", "call_id": message["tool_call_id"], "output": message["content"]}
+        ]
+    if message["role"] == "user":
+        return [
+            {
+                "type": "message",
+                "role": "user",
+                "content": [{"type": "input_text", "text": message["content"]}],
+            }
+        ]
+    return [
+        {"type": "reasoning", "summary": [{"type": "summary_text", "text": message["reasoning_content"]}]},
+        {
+            "type": "message",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": message["content"]}],
+        },
+        *(
+            {
+                "type": "function_call",
+                "call_id": call["id"],
+                "name": "tool_1",
+                "arguments": call["function"]["arguments"],
+            }
+            for call in message["tool_calls"]
+        ),
+    ]
 
 
 def assistant(path: str, turn: int, calls: list[str]) -> dict:
@@ -197,7 +241,7 @@ def result(path: str, call: str) -> dict:
     [None, REASONING, NUMBERED, WRAPPING],
     ids=["model's own", "reasoning", "numbered", "wrapping"],
 )
-@pytest.mark.parametrize("path", [CHAT, MESSAGES])
+@pytest.mark.parametrize("path", [CHAT, MESSAGES, RESPONSES])
 def test_each_next_turn_renders_as_the_whole_template_and_only_new_messages_are_rendered(template, path):
     tokenizer = tokenizer_with(template)
     assert tokenizer.split is not None
@@ -210,7 +254,7 @@ def test_each_next_turn_renders_as_the_whole_template_and_only_new_messages_are_
     assert counted.rendered < 10 * len(turns)
 
 
-@pytest.mark.parametrize("path", [CHAT, MESSAGES])
+@pytest.mark.parametrize("path", [CHAT, MESSAGES, RESPONSES])
 def test_each_next_turn_tokenises_as_its_whole_text(path):
     """The ids of the characters a turn shares with the last are taken from it without comparing them."""
     tokenizer = tokenizer_with(None)
@@ -263,14 +307,19 @@ def test_what_else_the_template_sees_is_compared_too(path):
         assert tokenizer.render_request(payload, path) == whole(tokenizer, payload, path)
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.path in (CHAT, MESSAGES)], ids=lambda case: case.name)
+@pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
 def test_every_agent_shape_renders_alike_message_by_message(case):
-    """Each corpus request (the Responses API's are rendered whole), grown message by message as a
-    conversation would be, renders as the whole template does."""
+    """Each corpus request, grown message by message (or Responses input item by item) as a conversation
+    would be, renders as the whole template does."""
     tokenizer = tokenizer_with(None)
-    messages = case.payload["messages"]
-    for count in range(1, len(messages) + 1):
-        payload = {**copy.deepcopy(case.payload), "messages": copy.deepcopy(messages[:count])}
+    field = "input" if case.path == RESPONSES else "messages"
+    messages = case.payload[field]
+    grown = (
+        [copy.deepcopy(case.payload)]
+        if isinstance(messages, str)
+        else [{**case.payload, field: messages[:count]} for count in range(1, len(messages) + 1)]
+    )
+    for payload in map(copy.deepcopy, grown):
         try:
             expected = whole(tokenizer, payload, case.path)
         except ValueError as exc:  # a conversation cut where the template refuses it
