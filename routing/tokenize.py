@@ -198,7 +198,7 @@ class RouterTokenizer:
         }
 
     def render_request(self, payload: dict, path: str) -> str:
-        """A chat or Anthropic messages request's prompt text, as `render(chat_inputs(...))` gives it. For a
+        """A chat, Anthropic messages or Responses request's prompt text, as `render(chat_inputs(...))` gives it. For a
         conversation's next turn, the messages it shares with a recent turn are neither converted nor rendered
         again (routing/chat_render.py). A message object is taken as unchanged when it is the very object seen
         before: a caller must not change a request's messages in place once rendered (the router parses each
