@@ -362,10 +362,10 @@ PER_HEAD = 4  # conversations kept that start alike (an agent's branches, or sub
 
 class Conversations:
     """Recent conversations, grouped by how their first two messages start, bounded by the characters their
-    renders hold."""
+    renders hold and by the number of groups (many short conversations hold few characters each)."""
 
-    def __init__(self, max_chars: int):
-        self.max_chars = max_chars
+    def __init__(self, max_chars: int, max_groups: int = 4096):
+        self.max_chars, self.max_groups = max_chars, max_groups
         self._groups: dict[tuple, list[Conversation]] = {}
         self._chars = 0
 
@@ -400,7 +400,7 @@ class Conversations:
         size = conversation.size
         self._chars += size - conversation.counted
         conversation.counted = size
-        while self._chars > self.max_chars and len(self._groups) > 1:
+        while (self._chars > self.max_chars or len(self._groups) > self.max_groups) and len(self._groups) > 1:
             oldest = next(iter(self._groups))
             self._chars -= sum(c.counted for c in self._groups.pop(oldest))
 

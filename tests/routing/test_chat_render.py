@@ -365,3 +365,9 @@ def test_recent_conversations_are_kept_within_their_bound():
     assert conversations._chars == sum(c.counted for c in kept)
     assert conversations._chars <= 5_000 or len(conversations._groups) == 1
     assert len(kept) < len(sessions)
+    # Many short conversations: bounded by their number too.
+    conversations.max_chars, conversations.max_groups = 10**9, 5
+    for n in range(20):
+        payload = {"messages": [{"role": "user", "content": f"question {n}"}]}
+        assert tokenizer.render_request(payload, CHAT) == whole(tokenizer, payload, CHAT)
+    assert len(conversations._groups) == 5
