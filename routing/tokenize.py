@@ -21,17 +21,21 @@ from jinja2.runtime import LoopContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from .chat_render import Conversations, Ineligible, MessageLoop, SplitTemplate
+from .chat_render import Conversation, Conversations, Ineligible, MessageLoop, SplitTemplate
 from .dialects import (
     ChatInputs,
     RenderError,
     TemplateTraits,
     anthropic_chat_request,
     chat_inputs,
+    each,
     responses_chat_request,
 )
 
 log = logging.getLogger(__name__)
+
+CHAT, MESSAGES, RESPONSES = "/v1/chat/completions", "/v1/messages", "/v1/responses"
+PATHS = (CHAT, MESSAGES, RESPONSES)
 
 
 def token_ids(prompt) -> array | None:
@@ -166,14 +170,24 @@ class RouterTokenizer:
                 log.info("%s: each turn renders the whole chat template: %s", folder.name, exc)
         self.conversations = Conversations(RECENT_MAX_CHARS)
 
-    def chat_inputs(self, payload: dict, path: str = "/v1/chat/completions") -> ChatInputs:
-        """What the engine's template will see for a request to `path` (chat completions or Anthropic
-        messages); RenderError when it cannot be rendered."""
-        if path == "/v1/messages":
-            payload = anthropic_chat_request(payload, merge_inline_system=self.merge_inline_system)
-        elif path == "/v1/responses":
+    def chat_inputs(
+        self, payload: dict, path: str = CHAT, conversation: Conversation | None = None
+    ) -> ChatInputs:
+        """What the engine's template will see for a request to `path` (chat completions, Anthropic messages or
+        Responses); RenderError when it cannot be rendered. With `conversation`, the messages converted for its
+        last turn are reused where they are unchanged (Responses input items, which join each other, are
+        converted whole)."""
+        if path == MESSAGES:
+            payload = anthropic_chat_request(
+                payload,
+                merge_inline_system=self.merge_inline_system,
+                each=conversation.layer("anthropic").map if conversation else each,
+            )
+        elif path == RESPONSES:
             payload = responses_chat_request(payload)
-        return chat_inputs(payload, self.traits)
+        return chat_inputs(
+            payload, self.traits, each=conversation.layer("chat").map if conversation else each
+        )
 
     def render(self, inputs: ChatInputs) -> str:
         if self.template is None:
@@ -212,15 +226,7 @@ class RouterTokenizer:
         if self.split is None or path not in PATHS or not isinstance(messages, list) or not messages:
             return self.render(self.chat_inputs(payload, path)), None
         conversation = self.conversations.find(path, messages)
-        if path == MESSAGES:
-            payload = anthropic_chat_request(
-                payload,
-                merge_inline_system=self.merge_inline_system,
-                each=conversation.layer("anthropic").map,
-            )
-        elif path == RESPONSES:  # input items join each other: converted whole, the messages compared after
-            payload = responses_chat_request(payload)
-        inputs = chat_inputs(payload, self.traits, each=conversation.layer("chat").map)
+        inputs = self.chat_inputs(payload, path, conversation)
         if inputs.kwargs.get("continue_final_message"):
             return self.render(inputs), None
         previous = conversation.turn
@@ -358,8 +364,6 @@ class RouterTokenizer:
         return array("I", self.tokenizer.encode(prompt, add_special_tokens=True).ids)
 
 
-CHAT, MESSAGES, RESPONSES = "/v1/chat/completions", "/v1/messages", "/v1/responses"
-PATHS = (CHAT, MESSAGES, RESPONSES)
 CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 

@@ -92,6 +92,11 @@ INELIGIBLE = {
 }
 
 
+def sandbox() -> TemplateSandbox:
+    """The environment the router renders templates in (routing/tokenize.py)."""
+    return tokenizer_with(None).template.environment
+
+
 def tokenizer_with(template: str | None) -> RouterTokenizer:
     return RouterTokenizer(MODEL_DIR, chat_template=template)
 
@@ -331,7 +336,7 @@ def test_every_agent_shape_renders_alike_message_by_message(case):
 
 @pytest.mark.parametrize("name", sorted(INELIGIBLE))
 def test_a_loop_that_may_depend_on_more_is_rendered_whole(name):
-    env = TemplateSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = sandbox()
     with pytest.raises(Ineligible):
         SplitTemplate(env, INELIGIBLE[name])
     tokenizer = tokenizer_with(INELIGIBLE[name])
@@ -342,7 +347,7 @@ def test_a_loop_that_may_depend_on_more_is_rendered_whole(name):
 
 
 def test_the_split_reads_neighbours_as_the_template_does():
-    env = TemplateSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = sandbox()
     split = SplitTemplate(env, tokenizer_with(None).template_source)
     assert (split.low, split.high, split.fixed, split.pre_fixed) == (-1, 1, -1, 0)
     split = SplitTemplate(env, REASONING)
