@@ -428,9 +428,7 @@ class FlowControl:
         )
         flow.push(waiter)
         # Its turn may be now (a spare slot it may take, a slot on its engine): look at once, not at the next poll.
-        if flow._wakeup is not None:
-            flow._wakeup.cancel()
-        flow._wakeup = asyncio.get_running_loop().call_soon(self.pump, flow)
+        self.wake(flow)
         limit = max_wait(deployment, priority)
         try:
             async with asyncio.timeout(limit):
@@ -538,9 +536,14 @@ class FlowControl:
             self._arm(flow)
 
     def wake(self, flow: DeploymentFlow) -> None:
-        """A request ended or the loads changed: let waiters through on the next turn of the event loop."""
-        if flow.waiting and flow._wakeup is None:
-            flow._wakeup = asyncio.get_running_loop().call_soon(self.pump, flow)
+        """A request ended, one joined the queue or the loads changed: let waiters through on the next turn of
+        the event loop, not at the next poll (a pending poll is cut short)."""
+        pending = flow._wakeup
+        if not flow.waiting or (pending is not None and not isinstance(pending, asyncio.TimerHandle)):
+            return  # nobody to let through, or a look is already due on the next turn
+        if pending is not None:
+            pending.cancel()
+        flow._wakeup = asyncio.get_running_loop().call_soon(self.pump, flow)
 
     def _arm(self, flow: DeploymentFlow) -> None:
         # Loads of other replicas and the engines' KV use change without a local event: look again shortly.

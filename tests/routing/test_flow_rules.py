@@ -204,6 +204,31 @@ def test_a_waiter_past_its_class_limit_times_out_and_leaves_the_queue():
     asyncio.run(run())
 
 
+def test_a_request_that_ends_lets_the_next_waiter_through_at_once_not_at_the_next_poll():
+    async def turns(n: int = 3) -> None:
+        for _ in range(n):
+            await asyncio.sleep(0)
+
+    async def run() -> None:
+        control = FlowControl({0: EndpointLoad(active=3), 1: EndpointLoad(active=4)})
+        d = deployment()
+        flow = control.flow(d)
+        ticket = await control.enter(d, key(1, 1), "standard", 10.0, 0.0)  # the last free slot
+        ticket.started()
+        control.loads[0].active = 4  # in flight there now
+        waiter = asyncio.ensure_future(control.enter(d, key(2, 1), "standard", 10.0, 0.0))
+        await turns()
+        # Saturated: it waits, and the gate looks again every 50 ms for what changes without a local event.
+        assert flow.waiting == 1 and isinstance(flow._wakeup, asyncio.TimerHandle)
+        control.loads[0].active = 3  # the first request ends
+        ticket.finish(20.0, 5)
+        await turns()  # a few turns of the event loop, far less than the 50 ms poll
+        assert waiter.done() and flow.waiting == 0
+        assert (await waiter).queued_s < 0.05
+
+    asyncio.run(run())
+
+
 def test_a_waiter_whose_prompt_one_engine_holds_waits_for_a_slot_there_while_others_pass():
     d = deployment()  # two engines of 4 slots, 16-token blocks
     loads = {0: EndpointLoad(), 1: EndpointLoad()}
