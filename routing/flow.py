@@ -195,6 +195,7 @@ class DeploymentFlow:
     saturated_since: float | None = None
     active_at: dict[int, float] = field(default_factory=dict)  # tenant id -> when last let through here
     _wakeup: asyncio.Handle | None = None
+    _polling: bool = False  # _wakeup is the poll (call_later), not a look on the next turn of the event loop
 
     # --- shares ---
     def charge(self, key: KeyInfo, work: float) -> None:
@@ -538,17 +539,16 @@ class FlowControl:
     def wake(self, flow: DeploymentFlow) -> None:
         """A request ended, one joined the queue or the loads changed: let waiters through on the next turn of
         the event loop, not at the next poll (a pending poll is cut short)."""
-        pending = flow._wakeup
-        if not flow.waiting or (pending is not None and not isinstance(pending, asyncio.TimerHandle)):
+        if not flow.waiting or (flow._wakeup is not None and not flow._polling):
             return  # nobody to let through, or a look is already due on the next turn
-        if pending is not None:
-            pending.cancel()
-        flow._wakeup = asyncio.get_running_loop().call_soon(self.pump, flow)
+        if flow._wakeup is not None:
+            flow._wakeup.cancel()
+        flow._wakeup, flow._polling = asyncio.get_running_loop().call_soon(self.pump, flow), False
 
     def _arm(self, flow: DeploymentFlow) -> None:
         # Loads of other replicas and the engines' KV use change without a local event: look again shortly.
         if flow._wakeup is None:
-            flow._wakeup = asyncio.get_running_loop().call_later(0.05, self.pump, flow)
+            flow._wakeup, flow._polling = asyncio.get_running_loop().call_later(0.05, self.pump, flow), True
 
     def wake_all(self) -> None:
         for flow in self.flows.values():
