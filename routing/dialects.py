@@ -7,6 +7,7 @@ simulator renders through the same functions, so there is one implementation of 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from operator import itemgetter
 
@@ -51,10 +52,11 @@ class Dialect:
     name = "openai"
     # The status of a request refused because the model is saturated (it waited past its class's limit).
     overloaded_status = 429
-    # Events that carry usage or end the stream contain one of these; a run of events before the first of them
-    # is passed on whole, its content events counted with CONTENT_MARKER (once in each content event's JSON; a
-    # string inside the JSON cannot hold it, since its quotes are escaped there). None: look at every event.
-    SPECIAL_MARKERS: tuple[bytes, ...] | None = (b'"usage"', b"[DONE]")
+    # Events that carry the final usage or end the stream contain one of these; a run of events before the first
+    # of them is passed on whole (less the running usage the router asked for), its content events counted with
+    # CONTENT_MARKER (once in each content event's JSON; a string inside the JSON cannot hold it, since its
+    # quotes are escaped there). None: look at every event.
+    SPECIAL_MARKERS: tuple[bytes, ...] | None = (b'"choices":[]', b"[DONE]")
     CONTENT_MARKER = b'"choices":[{'
 
     def error_body(
@@ -103,21 +105,11 @@ class Dialect:
         `continuous_usage_stats`: from the first chunk on, before the answer is over)."""
         return _int_after(event, b'"prompt_tokens":')
 
-    def without_running_usage(self, event: bytes) -> bytes:
-        """A content chunk without the running usage the router asked for and the client did not: vLLM writes
-        `"usage"` after `"choices"`, an object of counts (and objects of counts)."""
-        at = event.find(b',"usage":{')
-        if at < 0:
-            return event
-        # Its end: the first "}" with as many "{" before it since the object opened; found and counted in C,
-        # where a loop over the bytes in Python cost about 8 us an event.
-        depth, position = 0, at + 9
-        while (close := event.find(b"}", position)) >= 0:
-            depth += event.count(b"{", position, close) - 1
-            if depth == 0:
-                return event[:at] + event[close + 1 :]
-            position = close + 1
-        return event
+    def without_running_usage(self, events: bytes) -> bytes:
+        """Content chunks (one, or a run of them) without the running usage the router asked for and the client
+        did not: vLLM writes `"usage"` after `"choices"`, an object of counts and objects of counts. One pass in
+        C over the run; a usage object cut off or nested deeper is left as it is."""
+        return RUNNING_USAGE.sub(b"", events) if b',"usage":{' in events else events
 
     def is_content_event(self, event: bytes) -> bool:
         return event.startswith(b"data: {") and b'"choices":[{' in event
@@ -144,7 +136,12 @@ class Dialect:
 class AnthropicDialect(Dialect):
     name = "anthropic"
     overloaded_status = 529  # Anthropic's `overloaded_error`
-    SPECIAL_MARKERS = None
+    # message_start (the prompt's count), message_delta (the usage) and message_stop (the end) are looked at one
+    # by one. Each event names itself on a line of its own (`event: ...\n`, as vLLM writes it); the JSON of its
+    # data holds no raw newline, so the content marker is found once in each content event and nowhere else (a
+    # text that reads like the special marker only makes the relay look at the rest one by one).
+    SPECIAL_MARKERS = (b"event: message_",)
+    CONTENT_MARKER = b"event: content_block_delta\n"
 
     def error_body(
         self, status: int, message: str, param: str | None = None, code: str | None = None
@@ -190,7 +187,7 @@ class AnthropicDialect(Dialect):
         return False
 
     def is_content_event(self, event: bytes) -> bool:
-        return b"content_block_delta" in event
+        return event.startswith(self.CONTENT_MARKER)
 
     def is_terminal_event(self, event: bytes) -> bool:
         return event.startswith(b"event: message_stop")
@@ -200,7 +197,8 @@ class ResponsesDialect(Dialect):
     """OpenAI's Responses API: usage arrives in `response.completed`."""
 
     name = "responses"
-    SPECIAL_MARKERS = None
+    SPECIAL_MARKERS = (b"response.completed",)
+    CONTENT_MARKER = b"event: response.output_text.delta\n"
 
     def usage_from_body(self, body: dict) -> Usage:
         usage = (body.get("response") or body).get("usage") or {}
@@ -225,10 +223,16 @@ class ResponsesDialect(Dialect):
         return False
 
     def is_content_event(self, event: bytes) -> bool:
-        return b"output_text.delta" in event
+        return event.startswith(self.CONTENT_MARKER)
 
     def is_terminal_event(self, event: bytes) -> bool:
         return b"response.completed" in event.split(b"\n", 1)[0]
+
+
+# `,"usage":{...}`: counts, nulls and objects of them, on one line (an event's JSON holds no raw newline). A
+# string in the JSON cannot hold the marker, its quotes being escaped there; the usage object holds no string
+# but its keys.
+RUNNING_USAGE = re.compile(rb',"usage":\{[^{}\n]*(?:\{[^{}\n]*\}[^{}\n]*)*\}')
 
 
 def _int_after(data: bytes, marker: bytes) -> int | None:

@@ -345,8 +345,11 @@ class Exchange:
                 plain = dialect.plain_prefix(whole)
                 out = []
                 if plain:
-                    self.streamed_events += whole.count(dialect.CONTENT_MARKER, 0, plain)
-                    out.append(whole[:plain])
+                    run = whole[:plain]
+                    self.streamed_events += run.count(dialect.CONTENT_MARKER)
+                    if self.engine_prompt is None:
+                        self.engine_prompt = dialect.prompt_from_event(run)
+                    out.append(dialect.without_running_usage(run) if strip else run)
                 for event in whole[plain:-2].split(b"\n\n") if plain < end else ():
                     usage = dialect.usage_from_event(event)
                     if usage is not None:

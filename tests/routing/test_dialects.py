@@ -1,12 +1,12 @@
-"""The stream relay's fast path: the leading run of ordinary events is passed on whole, and what it counts and
-keeps matches looking at every event one by one."""
+"""The stream relay's fast path: the leading run of ordinary events is passed on whole (less the running usage
+the router asked for), and what it counts and keeps matches looking at every event one by one."""
 
 from __future__ import annotations
 
 import orjson
 import pytest
 
-from routing.dialects import ANTHROPIC, OPENAI
+from routing.dialects import ANTHROPIC, OPENAI, RESPONSES
 
 
 def event(data: dict | str) -> bytes:
@@ -29,7 +29,17 @@ def special(dialect, piece: bytes) -> bool:
     return dialect.usage_from_event(piece) is not None or dialect.is_terminal_event(piece)
 
 
+def running(text: str, prompt: int = 9, completion: int = 1) -> bytes:
+    """A content chunk as vLLM streams it with `continuous_usage_stats`: the running usage after `choices`."""
+    usage = {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion}
+    if completion % 2:
+        usage["prompt_tokens_details"] = {"cached_tokens": prompt - 1}
+    chunk = {"id": "c", "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
+    return event({**chunk, "usage": usage})
+
+
 PLAIN = content("a") + content("b") + content("c")
+RUNNING = running("a", completion=1) + running('b "usage":{}}', completion=2) + running("}{c", completion=3)
 ROLE = event({"id": "c", "choices": [{"index": 0, "delta": {"role": "assistant"}}]})
 
 
@@ -45,6 +55,9 @@ ROLE = event({"id": "c", "choices": [{"index": 0, "delta": {"role": "assistant"}
         (content('"usage" and "choices":[{') + USAGE + DONE, len(content('"usage" and "choices":[{'))),
         # ...except a bare [DONE], which only makes the relay look at the rest one by one.
         (content("a") + content("[DONE]") + USAGE + DONE, len(content("a"))),
+        # Chunks with the running usage the router asks for are ordinary: only the final usage is special.
+        (RUNNING + USAGE + DONE, len(RUNNING)),
+        (ROLE + RUNNING, len(ROLE + RUNNING)),
     ],
 )
 def test_the_plain_prefix_is_whole_ordinary_events_counted_as_one_by_one(events, expected):
@@ -61,9 +74,59 @@ def test_the_usage_event_and_the_end_are_never_in_the_plain_prefix():
     assert events[OPENAI.plain_prefix(events) :] == USAGE + DONE
 
 
-def test_a_dialect_without_markers_looks_at_every_event():
-    stream = b'event: content_block_delta\ndata: {"type":"content_block_delta"}\n\n'
-    assert ANTHROPIC.plain_prefix(stream) == 0
+def named(name: str, data: dict) -> bytes:
+    """An Anthropic or Responses stream event as vLLM writes it."""
+    return f"event: {name}\ndata: ".encode() + orjson.dumps(data) + b"\n\n"
+
+
+def delta(text: str) -> bytes:
+    return named(
+        "content_block_delta",
+        {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}},
+    )
+
+
+START = named(
+    "message_start",
+    {"type": "message_start", "message": {"id": "m", "usage": {"input_tokens": 40, "output_tokens": 0}}},
+)
+BLOCK = named(
+    "content_block_start", {"type": "content_block_start", "index": 0, "content_block": {"type": "text"}}
+)
+DELTAS = delta("a") + delta("event: content_block_delta\n and }") + delta("c")
+STOP = named("content_block_stop", {"type": "content_block_stop", "index": 0})
+ENDING = named("message_delta", {"type": "message_delta", "usage": {"output_tokens": 3}}) + named(
+    "message_stop", {"type": "message_stop"}
+)
+
+
+def anthropic_special(piece: bytes) -> bool:
+    return (
+        ANTHROPIC.usage_from_event(piece) is not None
+        or ANTHROPIC.prompt_from_event(piece) is not None
+        or ANTHROPIC.is_terminal_event(piece)
+    )
+
+
+@pytest.mark.parametrize(
+    "events, expected",
+    [
+        (START + BLOCK + DELTAS, 0),  # message_start carries the prompt's count
+        (BLOCK + DELTAS, len(BLOCK + DELTAS)),
+        (DELTAS + STOP + ENDING, len(DELTAS + STOP)),  # message_delta carries the usage, message_stop ends
+        (ENDING, 0),
+        # Text that reads like the special marker only makes the relay look at the rest one by one.
+        (delta("a") + delta("event: message_stop") + DELTAS, len(delta("a"))),
+    ],
+)
+def test_anthropic_events_before_the_message_events_pass_whole_counted_as_one_by_one(events, expected):
+    plain = ANTHROPIC.plain_prefix(events)
+    assert plain == expected
+    head = events_of(events[:plain])
+    assert not any(anthropic_special(piece) for piece in head)
+    assert events[:plain].count(ANTHROPIC.CONTENT_MARKER) == sum(ANTHROPIC.is_content_event(p) for p in head)
+    rest = events_of(events[plain:])
+    assert not rest or anthropic_special(rest[0]) or b"event: message_" in rest[0]
 
 
 @pytest.mark.parametrize(
@@ -87,3 +150,39 @@ def test_a_dialect_without_markers_looks_at_every_event():
 )
 def test_the_running_usage_the_router_asked_for_is_taken_out_of_a_chunk(event, stripped):
     assert OPENAI.without_running_usage(event) == stripped
+
+
+@pytest.mark.parametrize("run", [RUNNING, ROLE + RUNNING + PLAIN, PLAIN, running("x" * 3000, 200_000, 317)])
+def test_the_running_usage_is_taken_out_of_a_whole_run_as_out_of_each_chunk(run):
+    assert OPENAI.plain_prefix(run) == len(run)
+    each = [OPENAI.without_running_usage(piece) for piece in events_of(run)]
+    assert OPENAI.without_running_usage(run) == b"\n\n".join(each) + b"\n\n"
+    assert b'"usage"' not in b"".join(each).replace(
+        b'\\"usage\\"', b""
+    )  # only the text's escaped one is left
+    # The engine's count of the prompt, read from the run as from the first chunk that carries it.
+    counts = [OPENAI.prompt_from_event(piece) for piece in events_of(run)]
+    assert OPENAI.prompt_from_event(run) == next((c for c in counts if c is not None), None)
+
+
+def test_responses_events_before_the_completed_response_pass_whole_counted_as_one_by_one():
+    text = [
+        named("response.output_text.delta", {"type": "response.output_text.delta", "delta": d})
+        for d in ("a", "response.completed", "c")
+    ]
+    created = named("response.created", {"type": "response.created", "response": {"id": "r"}})
+    completed = named(
+        "response.completed",
+        {"type": "response.completed", "response": {"usage": {"input_tokens": 5, "output_tokens": 3}}},
+    )
+    events = created + text[0] + text[2] + completed
+    plain = RESPONSES.plain_prefix(events)
+    assert events[plain:] == completed and RESPONSES.usage_from_event(completed[:-2]).output_tokens == 3
+    head = events_of(events[:plain])
+    assert (
+        events[:plain].count(RESPONSES.CONTENT_MARKER)
+        == sum(RESPONSES.is_content_event(p) for p in head)
+        == 2
+    )
+    # A text that reads like the marker only makes the relay look at the rest one by one.
+    assert RESPONSES.plain_prefix(text[0] + text[1] + completed) == len(text[0])
