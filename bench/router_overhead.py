@@ -590,7 +590,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         choices=("simulator", "replay"),
         default="simulator",
         help="simulator: serving.simulator with no decode time; replay: bench/replay_upstream.py replaying "
-        "the simulator's captured answer (cheaper, for when the simulator is the bottleneck)",
+        "the simulator's answer to the request our router sends it (running usage in every chunk), captured "
+        "once (cheaper, for when the simulator is the bottleneck)",
     )
     p.add_argument("--skip-peers", action="store_true", help="only direct and our router")
     p.add_argument(
@@ -660,7 +661,11 @@ def main(argv: list[str]) -> int:
 
         body = prompt_body()
         sim_proc, sim_port = start_simulator(procs)
-        status, answer = http_post(sim_port, "/v1/chat/completions", body, {})
+        # Captured as the engine answers our router, which asks for the running usage in every chunk (so that
+        # a stream cut short still bills its prompt): the replay streams what an engine streams to it.
+        engine_body = json.loads(body)
+        engine_body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+        status, answer = http_post(sim_port, "/v1/chat/completions", json.dumps(engine_body).encode(), {})
         if status != 200 or check_stream(answer):
             raise RuntimeError(
                 f"the simulator's answer is not the workload's: {status} {check_stream(answer)}"
