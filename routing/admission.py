@@ -255,12 +255,15 @@ class Admission:
             headers["x-ratelimit-limit-tokens"] = str(quota.token_budget)
         return Decision(False, scope=kind, limit=limit, retry_after=max(1, retry_after), headers=headers)
 
-    async def settle_in(
+    def settle_in(
         self, pipe, reservation: Reservation, input_delta: int, output_delta: int, spend_delta: int
     ) -> None:
-        """Queue the settlement on a pipeline (see routing/finisher.py); it runs when the pipeline executes."""
+        """Queue the settlement on a pipeline (see routing/finisher.py); it runs when the pipeline executes.
+        Called by its script's SHA: a pipeline given the script itself asks Redis whether it has it (SCRIPT
+        EXISTS, a round trip) on every execute. A Redis that lost its scripts answers NOSCRIPT, and the
+        finisher settles the batch again as a replay, which loads them."""
         args = [reservation.request_id, reservation.scopes, input_delta, output_delta, spend_delta, 0]
-        await self._settle(keys=reservation.keys, args=args, client=pipe)
+        pipe.evalsha(self._settle.sha, len(reservation.keys), *reservation.keys, *args)
 
     async def settle_replayed_in(self, pipe, keys: list[str], args: list) -> None:
         """Queue a settlement read back from the journal (`settlement_args`): applied only if its request still

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from django.conf import settings
 from prometheus_client import Gauge
-from redis.exceptions import ConnectionError, RedisError
+from redis.exceptions import ConnectionError, NoScriptError, RedisError
 
 from tenants.usage_stream import FIELD, UsageEvent, stream_key, usage_stream_lag
 
@@ -175,11 +175,13 @@ class Finisher:
 
     async def _to_redis_retried(self, batch: list[_Ending]) -> None:
         """Once more on a connection error: after Redis restarts, each pooled connection fails once (and is
-        dropped) before a fresh one works. The first try may have been applied with its reply lost, so the
-        second settles as a replay does (only what still holds its slot) and the ledger dedupes the events."""
+        dropped) before a fresh one works. Once more too when Redis lost the settlement script (NOSCRIPT: it
+        restarted, or its scripts were flushed), the second try loading it. The first try may have been applied
+        in part, or with its reply lost, so the second settles as a replay does (only what still holds its
+        slot) and the ledger dedupes the events."""
         try:
             await self._to_redis(batch)
-        except (ConnectionError, OSError):
+        except (ConnectionError, OSError, NoScriptError):
             await self._to_redis(batch, again=True)
 
     async def _to_redis(self, batch: list[_Ending], again: bool = False) -> None:
@@ -191,7 +193,7 @@ class Finisher:
                         args = Admission.settlement_args(reservation, *ending.deltas)
                         await self.admission.settle_replayed_in(pipe, reservation.keys, args)
                     else:
-                        await self.admission.settle_in(pipe, reservation, *ending.deltas)
+                        self.admission.settle_in(pipe, reservation, *ending.deltas)
                 pipe.xadd(stream_key(), {FIELD: ending.event.encode()})
             await pipe.execute()
 

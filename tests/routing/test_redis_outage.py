@@ -339,6 +339,63 @@ def test_a_replayed_settlement_is_applied_once(own_redis, tmp_path):
     assert after_replay == 30
 
 
+def test_settlements_go_by_sha_and_a_redis_that_lost_the_script_settles_each_request_once(
+    own_redis, tmp_path
+):
+    """The finisher sends each settlement by its script's SHA, so a batch costs one round trip (no SCRIPT
+    EXISTS first). A Redis that lost its scripts (flushed, as after a restart) answers NOSCRIPT: the batch is
+    settled again as a replay, which loads the script, and each request is settled once."""
+    from routing.state import QuotaInfo
+
+    quota = QuotaInfo(None, None, None, 5, 1000, None, "day")
+
+    async def check() -> tuple[int, int, int, int, bool]:
+        client = redis.asyncio.Redis.from_url(own_redis.url)
+        admission = Admission(client)
+        finisher = Finisher(client, admission, Journal(tmp_path / "j"))
+
+        async def served(request_id: str):
+            decision = await admission.admit(
+                request_id=request_id,
+                team_id=7,
+                key_id=7,
+                team_quota=quota,
+                key_quota=None,
+                input_reserve=100,
+                output_reserve=200,
+                spend_reserve=0,
+            )
+            reservation = decision.reservation
+            await finisher.finish(
+                reservation, input_tokens=10, output_tokens=20, spend=0, event=event(request_id)
+            )
+            return reservation
+
+        try:
+            await served("req-1")  # the first settlement loads the script
+            await client.config_resetstat()
+            reservation = await served("req-2")
+            stats = await client.info("commandstats")
+            await client.script_flush()
+            await served("req-3")
+            budget, slots = reservation.keys[4], reservation.keys[3]
+            return (
+                # SCRIPT EXISTS or LOAD (`cmdstat_script|exists` in Redis 7, `cmdstat_script` before)
+                sum(v["calls"] for k, v in stats.items() if k.startswith("cmdstat_script")),
+                stats.get("cmdstat_evalsha", {}).get("calls", 0),
+                int(await client.get(budget)),
+                await client.zcard(slots),
+                finisher.redis_down,
+            )
+        finally:
+            await finisher.stop()
+
+    scripts, evalsha, budget, held, down = asyncio.run(check())
+    assert scripts == 0 and evalsha == 2  # req-2's admission and settlement, nothing else
+    assert budget == 3 * 30  # each request settled to what it used, once
+    assert held == 0 and not down
+
+
 def test_a_slot_whose_settlement_failed_comes_back_within_a_lease(own_redis, tmp_path):
     from routing.state import QuotaInfo
 
