@@ -12,11 +12,16 @@ CONFIG_VERSION_KEY = "platform:config:version"
 log = logging.getLogger(__name__)
 
 
-@functools.cache
 def _redis():
+    """A client of the Redis the settings name now (one per URL: a settings change, as tests make, is followed)."""
+    return _client(settings.REDIS_URL)
+
+
+@functools.cache
+def _client(url: str):
     import redis
 
-    return redis.Redis.from_url(settings.REDIS_URL)
+    return redis.Redis.from_url(url)
 
 
 def bump_config_version() -> int | None:
