@@ -219,6 +219,21 @@ def test_every_request_served_across_a_redis_outage_is_billed_exactly_once(
 # Unit checks of the parts, on the test's own Redis ----------------------------------------------------------
 
 
+async def admit(admission: Admission, request_id: str, quota, *, team_id: int = 7, reserve: int = 100):
+    """A request of a team under `quota` admitted as the router admits it, reserving `reserve` input tokens and
+    twice that of output."""
+    return await admission.admit(
+        request_id=request_id,
+        team_id=team_id,
+        key_id=team_id,
+        team_quota=quota,
+        key_quota=None,
+        input_reserve=reserve,
+        output_reserve=2 * reserve,
+        spend_reserve=0,
+    )
+
+
 def event(request_id: str) -> UsageEvent:
     from django.utils import timezone
 
@@ -302,16 +317,7 @@ def test_a_replayed_settlement_is_applied_once(own_redis, tmp_path):
         journal = Journal(tmp_path / "j")
         finisher = Finisher(client, admission, journal)
         try:
-            decision = await admission.admit(
-                request_id="req-once",
-                team_id=7,
-                key_id=7,
-                team_quota=quota,
-                key_quota=None,
-                input_reserve=100,
-                output_reserve=200,
-                spend_reserve=0,
-            )
+            decision = await admit(admission, "req-once", quota)
             budget = decision.reservation.keys[4]
             await finisher.finish(
                 decision.reservation, input_tokens=10, output_tokens=20, spend=0, event=event("x")
@@ -355,17 +361,7 @@ def test_settlements_go_by_sha_and_a_redis_that_lost_the_script_settles_each_req
         finisher = Finisher(client, admission, Journal(tmp_path / "j"))
 
         async def served(request_id: str):
-            decision = await admission.admit(
-                request_id=request_id,
-                team_id=7,
-                key_id=7,
-                team_quota=quota,
-                key_quota=None,
-                input_reserve=100,
-                output_reserve=200,
-                spend_reserve=0,
-            )
-            reservation = decision.reservation
+            reservation = (await admit(admission, request_id, quota)).reservation
             await finisher.finish(
                 reservation, input_tokens=10, output_tokens=20, spend=0, event=event(request_id)
             )
@@ -407,30 +403,22 @@ def test_a_slot_whose_settlement_failed_comes_back_within_a_lease(own_redis, tmp
         # The settlement cannot reach Redis (its client points nowhere): it goes to the journal.
         finisher = Finisher(dead_redis(), admission, Journal(tmp_path / "j"))
 
-        async def admit(request_id: str) -> bool:
-            decision = await admission.admit(
-                request_id=request_id,
-                team_id=9,
-                key_id=9,
-                team_quota=quota,
-                key_quota=None,
-                input_reserve=1,
-                output_reserve=1,
-                spend_reserve=0,
-            )
-            return decision.admitted, decision.reservation
+        async def admitted(request_id: str) -> bool:
+            return (await admit(admission, request_id, quota, team_id=9, reserve=1)).admitted
 
         try:
-            ok, first = await admit("first")
-            assert ok
+            first = await admit(admission, "first", quota, team_id=9, reserve=1)
+            assert first.admitted
             # A request running longer than its lease keeps its slot: the lease is renewed.
             await asyncio.sleep(2.0)
-            assert (await admit("second"))[0] is False
-            await finisher.finish(first, input_tokens=1, output_tokens=1, spend=0, event=event("first"))
+            assert not await admitted("second")
+            await finisher.finish(
+                first.reservation, input_tokens=1, output_tokens=1, spend=0, event=event("first")
+            )
             assert finisher.redis_down and "first" not in admission.held
-            assert (await admit("third"))[0] is False  # not at once: the settlement is in the journal
+            assert not await admitted("third")  # not at once: the settlement is in the journal
             await asyncio.sleep(1.7)
-            assert (await admit("fourth"))[0] is True  # the lease ran out, not 900 s
+            assert await admitted("fourth")  # the lease ran out, not 900 s
         finally:
             await finisher.stop()
 
