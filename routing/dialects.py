@@ -112,7 +112,7 @@ class Dialect:
         return RUNNING_USAGE.sub(b"", events) if b',"usage":{' in events else events
 
     def is_content_event(self, event: bytes) -> bool:
-        return event.startswith(b"data: {") and b'"choices":[{' in event
+        return event.startswith(b"data: {") and self.CONTENT_MARKER in event
 
     def plain_prefix(self, events: bytes) -> int:
         """The length of the leading run of whole events (`events` ends with one) that carry neither usage nor
