@@ -3,9 +3,16 @@
 The folder holds only a config, a generation config and a byte-level BPE tokenizer with a ChatML chat template;
 vLLM initialises random weights for it, so the text is noise but the engine, its KV cache, prefix cache, metrics,
 events and KV transfer are the real ones. Output is deterministic for a given Python version (the tokenizer is
-trained on a fixed list of standard-library sources), and the result is committed under models/tiny-qwen.
+trained on a fixed list of standard-library sources and the language reference's text), and the result is committed
+under models/tiny-qwen.
+
+The tokenizer is sized like production ones (a 32K vocabulary, as Llama 2's and Mistral's; Qwen's is 151K), so an
+agent's prompt counts about as many tokens here as on a real model and the router's tokenising cost per byte is
+representative; `--measure` prints its characters per token on English, code and agent JSON (docs/tiny-model.md).
+The model declares 262,144 positions, so a deployment may serve a whole agent session (the demo serves 131,072).
 
     python scripts/make_tiny_model.py [OUTPUT_DIR]
+    python scripts/make_tiny_model.py --measure [MODEL_DIR]
 """
 
 from __future__ import annotations
@@ -17,23 +24,14 @@ from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-VOCAB_SIZE = 4096
+VOCAB_SIZE = 32768
+MAX_POSITIONS = 262144
 QWEN2_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CORPUS_MODULES = [
-    "argparse.py",
-    "textwrap.py",
-    "difflib.py",
-    "json/decoder.py",
-    "json/encoder.py",
-    "email/message.py",
-    "http/client.py",
-    "logging/__init__.py",
-    "pathlib.py",
-    "typing.py",
-    "dataclasses.py",
-    "functools.py",
-]
+# Every top-level module of the standard library, the packages agents' code most often resembles, and the
+# language reference's prose (pydoc_data/topics.py): code and English, both available wherever Python is.
+CORPUS_PACKAGES = ["asyncio", "email", "http", "json", "logging", "urllib"]
+CORPUS_PROSE = "pydoc_data/topics.py"
 # ChatML with tools in the Hermes format (a system block listing the tools, assistant calls as <tool_call> JSON,
 # results as <tool_response> in a user turn), so vLLM's `hermes` tool-call parser reads what it writes. Content is
 # used as a string (vLLM joins text parts with newlines first); assistant reasoning in history is shown in <think>.
@@ -87,7 +85,7 @@ CONFIG = {
     "num_key_value_heads": 2,
     "head_dim": 64,
     "hidden_act": "silu",
-    "max_position_embeddings": 8192,
+    "max_position_embeddings": MAX_POSITIONS,
     "rms_norm_eps": 1e-6,
     "rope_theta": 10000.0,
     "tie_word_embeddings": True,
@@ -100,9 +98,16 @@ CONFIG = {
 }
 
 
-def corpus() -> list[str]:
+def corpus_files() -> list[Path]:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    return [(stdlib / name).read_text(encoding="utf-8") for name in CORPUS_MODULES]
+    files = sorted(stdlib.glob("*.py"))
+    for package in CORPUS_PACKAGES:
+        files += sorted((stdlib / package).rglob("*.py"))
+    return [*files, stdlib / CORPUS_PROSE]
+
+
+def corpus() -> list[str]:
+    return [path.read_text(encoding="utf-8", errors="replace") for path in corpus_files()]
 
 
 def build_tokenizer() -> Tokenizer:
@@ -140,7 +145,7 @@ def main(out: Path) -> None:
         "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>",
         "unk_token": None,
-        "model_max_length": 8192,
+        "model_max_length": MAX_POSITIONS,
         "clean_up_tokenization_spaces": False,
         "chat_template": CHAT_TEMPLATE,
     }
@@ -148,9 +153,41 @@ def main(out: Path) -> None:
     print(f"wrote {out}")
 
 
+ROOT = Path(__file__).resolve().parent.parent
+# Held-out text for --measure (none of it is in the training corpus): the project's own English documents, a
+# standard-library package left out of training, and the agents' own requests captured as test fixtures.
+MEASURED = {
+    "English prose (README.md, docs/routing.md, docs/flow-control.md)": lambda: [
+        ROOT / "README.md",
+        ROOT / "docs" / "routing.md",
+        ROOT / "docs" / "flow-control.md",
+    ],
+    "tables of figures (docs/benchmarks.md)": lambda: [ROOT / "docs" / "benchmarks.md"],
+    "Python (stdlib unittest/)": lambda: sorted(
+        (Path(sysconfig.get_paths()["stdlib"]) / "unittest").rglob("*.py")
+    ),
+    "agent JSON (captured Claude Code and Codex requests)": lambda: sorted(
+        (ROOT / "tests" / "agents" / "captured").glob("*.json")
+    ),
+}
+
+
+def measure(model: Path) -> None:
+    """Print characters per token for each kind of held-out text."""
+    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
+    print("| text | characters | tokens | characters per token |\n| --- | ---: | ---: | ---: |")
+    for name, files in MEASURED.items():
+        texts = [path.read_text(encoding="utf-8") for path in files()]
+        chars = sum(len(text) for text in texts)
+        tokens = sum(
+            len(encoding.ids) for encoding in tokenizer.encode_batch(texts, add_special_tokens=False)
+        )
+        print(f"| {name} | {chars:,} | {tokens:,} | {chars / max(tokens, 1):.2f} |")
+
+
 if __name__ == "__main__":
-    main(
-        Path(sys.argv[1])
-        if len(sys.argv) > 1
-        else Path(__file__).resolve().parent.parent / "models" / "tiny-qwen"
-    )
+    args = sys.argv[1:]
+    if args[:1] == ["--measure"]:
+        measure(Path(args[1]) if len(args) > 1 else ROOT / "models" / "tiny-qwen")
+    else:
+        main(Path(args[0]) if args else ROOT / "models" / "tiny-qwen")

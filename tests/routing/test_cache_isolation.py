@@ -35,7 +35,7 @@ def tenant_key(fleet: Fleet, slug: str, kv_cache_group: str = "") -> IssuedKey:
 
 def conversation(topic: str) -> list[dict]:
     """A system prompt of several 128-token blocks (a tenant's own instructions, say) and a question."""
-    context = f"You maintain the {topic} service. " + "Its modules, tests and deployment notes follow. " * 40
+    context = f"You maintain the {topic} service. " + "Its modules, tests and deployment notes follow. " * 60
     return [{"role": "system", "content": context}, {"role": "user", "content": "What changed last week?"}]
 
 
