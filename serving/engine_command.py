@@ -161,6 +161,17 @@ def chat_format_args(deployment: ModelDeployment) -> list[str]:
     return argv
 
 
+def simulated_model_args() -> list[str]:
+    """What the simulator's model does that real weights decide: how long its answers are, how many tool calls
+    it makes in one conversation (settings.SIMULATOR_*)."""
+    argv = []
+    if settings.SIMULATOR_ANSWER_LENGTH:
+        argv += ["--answer-length", str(settings.SIMULATOR_ANSWER_LENGTH)]
+    if settings.SIMULATOR_TOOL_CALLS_PER_CONVERSATION:
+        argv += ["--tool-calls-per-conversation", str(settings.SIMULATOR_TOOL_CALLS_PER_CONVERSATION)]
+    return argv
+
+
 def render_engine_command(*, deployment: ModelDeployment, pool: Pool, ports: EnginePorts) -> EngineCommand:
     """The command and environment for one replica of `pool` listening on `ports`."""
     _check_supported(pool)
@@ -197,6 +208,8 @@ def render_engine_command(*, deployment: ModelDeployment, pool: Pool, ports: Eng
     if settings.LOCAL_ENGINE_LOAD_FORMAT:
         argv += ["--load-format", settings.LOCAL_ENGINE_LOAD_FORMAT]
     argv += chat_format_args(deployment)
+    if deployment.engine_kind == EngineKind.SIM:
+        argv += simulated_model_args()
     if pool.enable_kv_events:
         events = {
             "enable_kv_cache_events": True,

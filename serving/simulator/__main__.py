@@ -106,6 +106,20 @@ def parser() -> argparse.ArgumentParser:
         "--decode-time", type=float, default=0.0, help="seconds per output token, one sequence running"
     )
     sim.add_argument(
+        "--answer-length",
+        type=int,
+        default=None,
+        help="end a sampled answer with the end-of-sequence token after this many tokens (a model that stops "
+        "by itself); unset: it runs to max_tokens",
+    )
+    sim.add_argument(
+        "--tool-calls-per-conversation",
+        type=int,
+        default=None,
+        help='with tool_choice "auto", answer a conversation already holding this many tool calls in text; '
+        "unset: a user turn always gets a call of the first tool",
+    )
+    sim.add_argument(
         "--decode-time-per-seq",
         type=float,
         default=0.0,
@@ -324,6 +338,8 @@ async def serve(args) -> None:
         side_channel=side_channel,
         pull=remote_puller(client) if side_channel else None,
         held_request_timeout=float(os.environ.get("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", "480")),
+        answer_length=args.answer_length,
+        eos_token_id=tokenizer.eos_token_id,
     )
     model = ServedModel(
         names=names,
@@ -334,6 +350,7 @@ async def serve(args) -> None:
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
         reasoning_parser=args.reasoning_parser,
         exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+        tool_calls_per_conversation=args.tool_calls_per_conversation,
     )
     runner = web.AppRunner(
         SimulatorApp(engine, tokenizer, model).app(), handler_cancellation=True, access_log=None

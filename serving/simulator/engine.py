@@ -10,6 +10,9 @@
 - Generation is deterministic: the same prompt and seed give the same tokens. A request may bring its own
   output (`output_script`, such as a tool call ending with the end-of-sequence token): it is generated token by
   token like any other and finishes with "stop" when all of it fits in `max_tokens`.
+- A sampled answer runs to `max_tokens` (as a model with random weights does), unless the engine has an
+  `answer_length`: then it is that many tokens, the last the end-of-sequence token, as a model that stops by
+  itself (an agent treats an answer cut at `max_tokens` as an error and retries it).
 """
 
 from __future__ import annotations
@@ -94,6 +97,8 @@ class Engine:
         side_channel: tuple[str, int] | None = None,
         pull: PullFn | None = None,
         held_request_timeout: float = 480.0,
+        answer_length: int | None = None,
+        eos_token_id: int | None = None,
     ):
         self.pool = pool
         self.metrics = metrics
@@ -106,6 +111,8 @@ class Engine:
         self.side_channel = side_channel
         self.pull = pull
         self.held_request_timeout = held_request_timeout
+        self.answer_length = answer_length if eos_token_id is not None else None
+        self.eos_token_id = eos_token_id
         self.running = 0
         self._waiting: deque[Request] = deque()
         self._changed = asyncio.Condition()
@@ -123,6 +130,12 @@ class Engine:
             else []
         )
         allocation = Allocation(cache_salt=request.cache_salt)
+        if request.output_script is None and self.answer_length:
+            sampler = random.Random(self._seed_for(request))
+            request.output_script = [
+                *(sampler.choice(self.output_pool) for _ in range(self.answer_length - 1)),
+                self.eos_token_id,
+            ]
         admitted = False
         finished_normally = False
         hold = False

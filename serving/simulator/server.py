@@ -1,4 +1,10 @@
-"""The simulator's HTTP server: vLLM's OpenAI-compatible routes, response shapes and error bodies."""
+"""The simulator's HTTP server: vLLM's OpenAI-compatible routes, response shapes and error bodies.
+
+Tool calls: with a tool-call parser and tools, a request whose tool_choice is "required" or names a function
+gets a call of that function (or of the first tool); with "auto", a conversation whose last message is the user's
+gets a call of the first tool, unless it already holds `tool_calls_per_conversation` calls (so an agent that
+answers each call with a new user turn, as Claude Code does for its background sub-agents, comes to an end);
+the call's arguments are its schema's required properties with simple values. Anything else gets text."""
 
 from __future__ import annotations
 
@@ -17,10 +23,20 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from routing.dialects import ChatInputs, RenderError, anthropic_chat_request, chat_inputs
+from routing.dialects import (
+    ChatInputs,
+    RenderError,
+    anthropic_chat_request,
+    chat_inputs,
+    responses_chat_request,
+)
 from routing.tokenize import rejects_inline_system, template_traits
 
+from . import responses as responses_api
 from .engine import Engine, RemotePrefillError, Request
+from .errors import ApiError, literal_problem, problem, validation_error
+from .errors import bad_param as _bad_param
+from .errors import invalid as _invalid
 from .tokenizer import ModelTokenizer
 
 log = logging.getLogger(__name__)
@@ -39,30 +55,8 @@ class ServedModel:
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     exclude_tools_when_tool_choice_none: bool = False
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "BadRequestError", param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param = status, message, kind, param
-
-    def body(self) -> dict:
-        return {
-            "error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}
-        }
-
-    def anthropic_body(self) -> dict:
-        """The error as vLLM's /v1/messages answers it (translate_error_response)."""
-        return {"type": "error", "error": {"type": self.kind, "message": self.message}}
-
-
-def _bad_param(message: str, param: str, value) -> ApiError:
-    return ApiError(400, f"{message} (parameter={param}, value={value})", param=param)
-
-
-def _invalid(message: str, param: str) -> ApiError:
-    """A request field refused by vLLM's request model (its VLLMValidationError)."""
-    return ApiError(400, f"{message} (parameter={param})", param=param)
+    # With "auto", a conversation already holding this many tool calls is answered in text (None: no limit).
+    tool_calls_per_conversation: int | None = None
 
 
 CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
@@ -109,6 +103,82 @@ def anthropic_salt_type(salt) -> None:
         return
     detail = {"type": problem.pop("type"), "loc": "body.cache_salt", **problem}
     raise ApiError(400, f"1 validation error:\n  {detail}", "Bad Request", "body.cache_salt")
+
+
+THINKING_TYPES = ("enabled", "disabled", "adaptive")
+THINKING_DISPLAYS = ("summarized", "omitted", "updates")
+EFFORTS = ("low", "medium", "high", "xhigh", "max")
+
+
+def anthropic_field_problems(body: dict) -> list[dict]:
+    """What /v1/messages' request model refuses among the fields Claude Code sends (`thinking`,
+    `output_config`, `metadata`, `max_tokens`), in pydantic's words. Other fields it does not know, such as
+    `context_management`, it ignores."""
+    problems = []
+    max_tokens = body.get("max_tokens")
+    if max_tokens <= 0:
+        problems.append(
+            problem(
+                "value_error",
+                "body.max_tokens",
+                "Value error, max_tokens must be positive",
+                max_tokens,
+                {"error": ValueError("max_tokens must be positive")},
+            )
+        )
+    thinking = body.get("thinking")
+    if thinking is not None:
+        kind = thinking.get("type") if isinstance(thinking, dict) else None
+        if kind not in THINKING_TYPES:
+            expected = ", ".join(f"'{t}'" for t in THINKING_TYPES)
+            problems.append(
+                problem(
+                    "union_tag_invalid",
+                    "body.thinking",
+                    f"Input tag '{kind}' found using 'type' does not match any of the expected tags: {expected}",
+                    thinking,
+                    {"discriminator": "'type'", "tag": str(kind), "expected_tags": expected},
+                )
+            )
+        else:
+            display = thinking.get("display")
+            if kind != "disabled" and display is not None and display not in THINKING_DISPLAYS:
+                problems.append(literal_problem(f"body.thinking.{kind}.display", display, THINKING_DISPLAYS))
+            budget = thinking.get("budget_tokens")
+            if kind == "enabled" and isinstance(budget, int) and budget < 1024:
+                problems.append(
+                    problem(
+                        "greater_than_equal",
+                        "body.thinking.enabled.budget_tokens",
+                        "Input should be greater than or equal to 1024",
+                        budget,
+                        {"ge": 1024},
+                    )
+                )
+    output_config = body.get("output_config")
+    if isinstance(output_config, dict):
+        effort = output_config.get("effort")
+        if effort is not None and effort not in EFFORTS:
+            problems.append(literal_problem("body.output_config.effort", effort, EFFORTS))
+    metadata = body.get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        problems.append(problem("dict_type", "body.metadata", "Input should be a valid dictionary", metadata))
+    if problems:
+        return problems
+    transfer = body.get("kv_transfer_params")
+    remote_decode = isinstance(transfer, dict) and transfer.get("do_remote_decode")
+    if (
+        isinstance(thinking, dict)
+        and thinking.get("type") == "enabled"
+        and isinstance(thinking.get("budget_tokens"), int)
+        and thinking["budget_tokens"] >= max_tokens
+        and not remote_decode
+    ):
+        message = "thinking.budget_tokens must be less than max_tokens"
+        problems.append(
+            problem("value_error", "body", f"Value error, {message}", body, {"error": ValueError(message)})
+        )
+    return problems
 
 
 def _dumps(obj) -> str:
@@ -248,6 +318,7 @@ class ChatPrompt:
     tools: list[dict] | None
     kwargs: dict
     last_role: str | None
+    tool_calls: int = 0  # the calls the conversation's assistant turns made
 
 
 class SimulatorApp:
@@ -281,6 +352,9 @@ class SimulatorApp:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/messages", self.messages)
         app.router.add_post("/v1/messages/count_tokens", self.count_tokens)
+        app.router.add_post("/v1/responses", self.responses)
+        app.router.add_get("/v1/responses/{response_id}", self.stored_response)
+        app.router.add_post("/v1/responses/{response_id}/cancel", self.stored_response)
         return app
 
     # --- small routes ---------------------------------------------------------------------------------
@@ -386,7 +460,7 @@ class SimulatorApp:
                 self._check_tool_parser(choice)
                 prompt = self._chat_prompt(body, choice)
                 prompt_ids = prompt.ids
-                self._check_length(prompt_ids)
+                self._check_length(prompt_ids, from_text=True)
                 call = self._plan_tool_call(prompt, choice)
             else:
                 prompt_ids = self._completion_prompt_ids(body)
@@ -625,6 +699,176 @@ class SimulatorApp:
                 await generator.aclose()
         return response
 
+    # --- Responses API ------------------------------------------------------------------------------------
+    async def responses(self, http: web.Request) -> web.StreamResponse:
+        """OpenAI's Responses API as vLLM serves it: the request rendered as the chat request it becomes, the
+        answer as a Response object or its stream of events (see responses.py for vLLM's sources)."""
+        try:
+            body = await self._json(http)
+            cache_salt = cache_salt_of(body)
+            call = responses_api.check_request(body)
+            model = self._check_model(body)
+            responses_api.check_serving(body)
+            prompt = self._responses_prompt(call)
+            self._check_length(prompt.ids, from_text=True)
+            planned = self._plan_tool_call(prompt, call.plan_choice)
+            max_tokens = self._max_output_tokens(body, len(prompt.ids))
+        except ApiError as exc:
+            return _json_response(exc.body(), exc.status)
+        request_id = body.get("request_id")
+        response_id = request_id if isinstance(request_id, str) else responses_api.new_id("resp")
+        req = Request(
+            request_id=response_id,
+            prompt_ids=prompt.ids,
+            max_tokens=max_tokens,
+            seed=body.get("seed"),
+            kv_transfer_params=body.get("kv_transfer_params"),
+            output_script=planned.ids if planned else None,
+            cache_salt=cache_salt,
+        )
+        created = responses_api.now()
+
+        def response(output: list[dict], status: str, usage: dict | None) -> dict:
+            return responses_api.response_object(
+                call,
+                response_id=response_id,
+                model=model,
+                created=created,
+                max_tokens=max_tokens,
+                output=output,
+                status=status,
+                usage=usage,
+                kv_transfer_params=req.kv_transfer_out,
+            )
+
+        def final_usage() -> dict:
+            return responses_api.usage(
+                len(req.prompt_ids), req.cached_tokens, req.created_cache_tokens, len(req.output_ids)
+            )
+
+        status = lambda: "completed" if req.stops else "incomplete"  # noqa: E731
+        if not call.stream:
+            try:
+                async for _ in self.engine.generate(req):
+                    pass
+            except RemotePrefillError as exc:
+                return _json_response(ApiError(500, str(exc), "InternalServerError").body(), 500)
+            output = self._responses_output(call, req, planned)
+            return _json_response(response(output, status(), final_usage()))
+
+        stream = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
+        )
+        await stream.prepare(http)
+        writer = responses_api.EventWriter(call)
+        opening = response([], "in_progress", None)
+        pending = [
+            writer.response("response.created", opening),
+            writer.response("response.in_progress", opening),
+        ]
+        timing = self.engine.timing
+        coalesce = timing.decode_time == 0 and timing.decode_time_per_seq == 0
+        calls = ToolCallStream(planned) if planned is not None else None
+        generator = self.engine.generate(req)
+        produced = 0
+        try:
+            async for token in generator:
+                produced += 1
+                if calls is not None:
+                    # vLLM's parser streams the call (its name, then its arguments) and holds back the rest.
+                    for delta in calls.step(produced):
+                        if "id" in delta:
+                            pending += writer.call_start(planned.id, planned.name)
+                        else:
+                            pending += writer.call_arguments(delta["function"]["arguments"])
+                else:
+                    text = self._detok([token])
+                    if text:
+                        pending += writer.text_delta(text)
+                if pending and not coalesce:
+                    await stream.write(b"".join(pending))
+                    pending.clear()
+            pending += writer.close()
+            pending.append(
+                writer.response("response.completed", response(writer.items, status(), final_usage()))
+            )
+            await stream.write(b"".join(pending))
+        except RemotePrefillError as exc:
+            await stream.write(b"".join(pending))
+            error = {"type": "error", "code": "InternalServerError", "message": str(exc), "param": None}
+            await stream.write(responses_api.sse(writer.event("error", **error)))
+        finally:
+            await generator.aclose()
+        return stream
+
+    async def stored_response(self, http: web.Request) -> web.Response:
+        """Retrieving or cancelling a stored response: this engine stores none (vLLM's default)."""
+        exc = responses_api.not_found(http.match_info["response_id"])
+        return _json_response(exc.body(), exc.status)
+
+    def _responses_prompt(self, call: responses_api.ResponsesCall) -> ChatPrompt:
+        """The prompt of a Responses request: the chat request it becomes (routing.dialects, shared with the
+        router), rendered as chat is."""
+        body = call.body
+        if body.get("input") == []:
+            raise ApiError(
+                400, "Cannot apply chat template to an empty conversation. Provide at least one message."
+            )
+        try:
+            chat = responses_chat_request(body)  # previous_response_id: already answered 404
+        except RenderError as exc:
+            if exc.reason == "encrypted_reasoning":
+                raise _invalid("Encrypted content is not supported.", "input") from exc
+            raise ApiError(400, str(exc), param=exc.param) from exc
+        choice = call.plan_choice
+        if chat.get("tools") is None:
+            chat.pop("tools", None)
+        try:
+            return self._chat_prompt(chat, "none" if choice is None else choice)
+        except ApiError as exc:
+            if "take" in exc.message and "text only" in exc.message:
+                raise ApiError(400, f"{self.model.names[0]} is not a multimodal model") from exc
+            raise
+
+    def _max_output_tokens(self, body: dict, prompt_len: int) -> int:
+        """max_output_tokens as vLLM takes it: at most the context, at least 1 (checked as the sampling
+        parameters' max_tokens), by default what the context leaves."""
+        limit = self.model.max_model_len
+        value = body.get("max_output_tokens")
+        if value is None:
+            return limit - prompt_len
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise validation_error(
+                [problem("int_type", "body.max_output_tokens", "Input should be a valid integer", value)]
+            )
+        if value > limit:
+            raise _bad_param(
+                f"max_output_tokens={value} cannot be greater than max_model_len={limit}. Please request fewer "
+                "output tokens.",
+                "max_output_tokens",
+                value,
+            )
+        if value < 1:
+            raise _bad_param(f"max_tokens must be at least 1, got {value}.", "max_tokens", value)
+        return min(value, limit - prompt_len)
+
+    def _responses_output(
+        self, call: responses_api.ResponsesCall, req: Request, planned: ToolCall | None
+    ) -> list[dict]:
+        """A finished request's output items: a whole planned call as a function call, else its text as one
+        message (with a parser, none when the text is empty)."""
+        if planned is not None and req.stops:
+            return [
+                responses_api.call_item(
+                    call, responses_api.new_id("fc"), planned.id, planned.name, planned.arguments, "completed"
+                )
+            ]
+        text = self._detok(req.output_ids)
+        parser = self.model.tool_call_parser is not None or self.model.reasoning_parser is not None
+        if parser and not text:
+            return []
+        return [responses_api.message_item(responses_api.new_id("msg"), text)]
+
     # --- Anthropic Messages API ---------------------------------------------------------------------------
     async def messages(self, http: web.Request) -> web.StreamResponse:
         """The Anthropic Messages API over the same engine, as vLLM's /v1/messages serves it: the request made a
@@ -635,6 +879,9 @@ class SimulatorApp:
                 # Refused by the request model, before the endpoint: in vLLM's plain error shape.
                 error = ApiError(400, "max_tokens: Field required", "Bad Request", "body.max_tokens")
                 return _json_response(error.body(), 400)
+            problems = anthropic_field_problems(body)
+            if problems:
+                raise validation_error(problems)
             anthropic_salt_type(body.get("cache_salt"))
         except ApiError as exc:
             return _json_response(exc.body(), exc.status)
@@ -643,7 +890,7 @@ class SimulatorApp:
             cache_salt = cache_salt_of(body)
             model, chat, choice, prompt = self._anthropic_prompt(body)
             chat["max_tokens"] = chat["max_completion_tokens"] = body["max_tokens"]
-            self._check_length(prompt.ids)
+            self._check_length(prompt.ids, from_text=True)
             call = self._plan_tool_call(prompt, choice)
             max_tokens = self._max_tokens(chat, True, len(prompt.ids))
         except ApiError as exc:
@@ -815,6 +1062,7 @@ class SimulatorApp:
 
     def _plan_tool_call(self, prompt: ChatPrompt, choice) -> ToolCall | None:
         """The tool call this request gets, if any (see the rule at the top of this module)."""
+        limit = self.model.tool_calls_per_conversation
         if self.model.tool_call_parser is None or not prompt.tools:
             return None
         tools = [tool.get("function") or {} for tool in prompt.tools]
@@ -823,7 +1071,9 @@ class SimulatorApp:
             function = next((f for f in tools if f.get("name") == named), None)
             if function is None:
                 raise ApiError(400, f"The tool with name '{named}' is not found in the tools list.")
-        elif choice == "required" or (choice == "auto" and prompt.last_role == "user"):
+        elif choice == "required" or (
+            choice == "auto" and prompt.last_role == "user" and (limit is None or prompt.tool_calls < limit)
+        ):
             function = tools[0]
         else:
             return None
@@ -991,7 +1241,12 @@ class SimulatorApp:
         except Exception as exc:  # a template error is the client's message shape
             raise ApiError(400, f"The messages could not be rendered with the chat template: {exc}") from exc
         last_role = inputs.messages[-1].get("role") if inputs.messages else None
-        prompt = ChatPrompt(ids, inputs.tools, inputs.kwargs, last_role)
+        calls = sum(
+            len(message.get("tool_calls") or ())
+            for message in inputs.messages
+            if message.get("role") == "assistant" and isinstance(message.get("tool_calls"), list)
+        )
+        prompt = ChatPrompt(ids, inputs.tools, inputs.kwargs, last_role, calls)
         self._rendered[key] = prompt
         if len(self._rendered) > 4096:
             self._rendered.popitem(last=False)
@@ -1016,18 +1271,22 @@ class SimulatorApp:
                 "`prompt` must be a string or a list of token ids (one prompt per request).",
                 param="prompt",
             )
-        self._check_length(ids)
+        self._check_length(ids, from_text=isinstance(prompt, str))
         return ids
 
-    def _check_length(self, ids: list[int]) -> None:
+    def _check_length(self, ids: list[int], *, from_text: bool = False) -> None:
+        """vLLM's refusal of a prompt that leaves no room for output. A prompt it tokenizes from text (a rendered
+        chat, a string) it tokenizes no further than one token past the limit, and says "at least"."""
         limit = self.model.max_model_len
         if len(ids) > limit:
+            count = limit + 1 if from_text else len(ids)
+            qualifier = "at least " if count == limit + 1 else ""
             raise _bad_param(
-                f"This model's maximum context length is {limit} tokens. However, your prompt contains {len(ids)} "
-                "input tokens, which exceeds this limit even without any output tokens. Please reduce the length "
-                "of the input prompt.",
+                f"This model's maximum context length is {limit} tokens. However, your prompt contains "
+                f"{qualifier}{count} input tokens, which exceeds this limit even without any output tokens. Please "
+                "reduce the length of the input prompt.",
                 "input_tokens",
-                len(ids),
+                count,
             )
         if len(ids) == limit:
             raise ApiError(

@@ -80,12 +80,24 @@ def test_it_renders_the_vllm_command_line():
     assert command.env == {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONHASHSEED": "0"}
 
 
-def test_it_runs_the_simulator_with_the_same_flags():
+def test_it_runs_the_simulator_with_the_same_flags_and_its_model_s_own():
+    """vLLM's flags, then what a simulated model does that real weights decide (settings.SIMULATOR_*)."""
     vllm = render_engine_command(deployment=deployment(), pool=pool(), ports=PORTS)
     sim = render_engine_command(deployment=deployment(engine_kind="sim"), pool=pool(), ports=PORTS)
     assert sim.argv[:3] == [sys.executable, "-m", "serving.simulator"]
-    assert sim.argv[3:] == vllm.argv[3:]
+    own = ["--answer-length", "317", "--tool-calls-per-conversation", "2"]
+    at = sim.argv.index("--answer-length")
+    assert sim.argv[at : at + 4] == own
+    assert sim.argv[3:at] + sim.argv[at + 4 :] == vllm.argv[3:]
     assert sim.env == vllm.env
+
+
+def test_the_simulated_model_s_flags_follow_the_settings(settings):
+    settings.SIMULATOR_ANSWER_LENGTH = 0
+    settings.SIMULATOR_TOOL_CALLS_PER_CONVERSATION = 5
+    sim = render_engine_command(deployment=deployment(engine_kind="sim"), pool=pool(), ports=PORTS)
+    assert "--answer-length" not in sim.argv
+    assert sim.argv[sim.argv.index("--tool-calls-per-conversation") + 1] == "5"
 
 
 def test_it_leaves_out_what_is_switched_off(settings):

@@ -660,7 +660,7 @@ def cached_tokens(path: str, usage: dict) -> int:
     return usage["prompt_tokens_details"]["cached_tokens"]
 
 
-SALTED_ROUTES = ["/v1/completions", "/v1/chat/completions", "/v1/messages"]
+SALTED_ROUTES = ["/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses"]
 
 
 @pytest.mark.parametrize("path", SALTED_ROUTES)
@@ -675,19 +675,6 @@ def test_a_cache_salt_keeps_its_prefix_cache_apart(engine, path):
     # Another salt, and no salt, find nothing of the first one's blocks; the same salt finds them all.
     assert seen[0] == seen[1] == seen[3] == 0
     assert seen[2] == seen[4] > 0 and seen[2] % 128 == 0
-
-
-def test_vllm_takes_a_cache_salt_on_the_responses_api(vllm_engine):
-    """The simulator does not serve /v1/responses; vLLM salts it as it salts the other routes."""
-    path = "/v1/responses"
-    context = "Salted responses. " + "The repository has many modules and a long history. " * 40
-    seen = []
-    with vllm_engine.client() as client:
-        for salt in ("tenant-a", "tenant-b", "tenant-a"):
-            response = client.post(path, json=salted_body(path, context, salt))
-            assert response.status_code == 200, response.text
-            seen.append(cached_tokens(path, response.json()["usage"]))
-    assert seen[0] == seen[1] == 0 and seen[2] > 0
 
 
 def test_salted_blocks_are_announced_with_their_salt(engine):
@@ -749,7 +736,7 @@ SALT_RULE = (
     ],
     ids=["empty", "not-a-string", "a-slash", "too-long"],
 )
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/responses"])
 def test_it_refuses_a_malformed_cache_salt(engine, path, salt, message):
     with engine.client() as client:
         response = client.post(path, json=salted_body(path, "x", None) | {"cache_salt": salt})
@@ -787,3 +774,600 @@ def test_the_messages_api_refuses_a_malformed_cache_salt_as_vllm_does(engine, sa
         assert error["message"].startswith(
             f"1 validation error:\n  {{'type': '{kind}', 'loc': 'body.cache_salt'"
         )
+
+
+# --- the Responses API, as the Codex CLI calls it ---------------------------------------------------------------
+# Codex streams POST /v1/responses with developer and user messages, function tools beside a namespace of tools and
+# a hosted web search, reasoning summaries, store off, encrypted reasoning asked for, a prompt cache key (its
+# session) and client metadata. vLLM 0.32 takes all of it (the namespace's functions shown to the model as
+# `<namespace>__<name>`, the hosted tool not shown, the rest ignored).
+SHELL_SCHEMA = {
+    "type": "object",
+    "properties": {"command": {"type": "array", "items": {"type": "string"}}, "workdir": {"type": "string"}},
+    "required": ["command"],
+    "additionalProperties": False,
+}
+CODEX_TOOLS = [
+    {
+        "type": "function",
+        "name": "shell",
+        "description": "Runs a command.",
+        "strict": False,
+        "parameters": SHELL_SCHEMA,
+    },
+    {
+        "type": "namespace",
+        "name": "mcp__docs",
+        "description": "A documentation server.",
+        "tools": [
+            {
+                "type": "function",
+                "name": "search",
+                "description": "Searches the docs.",
+                "parameters": {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]},
+            }
+        ],
+    },
+    {"type": "web_search"},
+]
+CODEX_INPUT = [
+    {
+        "type": "message",
+        "role": "developer",
+        "content": [
+            {"type": "input_text", "text": "<permissions instructions>sandboxed</permissions instructions>"}
+        ],
+    },
+    {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "List the files here."}]},
+]
+CODEX_REQUEST = {
+    "model": MODEL_NAME,
+    "instructions": "You are Codex, a coding agent.",
+    "input": CODEX_INPUT,
+    "tools": CODEX_TOOLS,
+    "tool_choice": "auto",
+    "parallel_tool_calls": True,
+    "reasoning": {"summary": "auto"},
+    "store": False,
+    "include": ["reasoning.encrypted_content"],
+    "prompt_cache_key": "019a-codex-session",
+    "client_metadata": {"originator": "codex_exec"},
+    "max_output_tokens": 8,
+    "ignore_eos": True,
+}
+# A later turn of the same session: reasoning, calls (one to a namespaced tool) and their outputs, an answer.
+CODEX_HISTORY = [
+    *CODEX_INPUT,
+    {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "List them."}]},
+    {"type": "function_call", "call_id": "call_1", "name": "shell", "arguments": '{"command": ["ls"]}'},
+    {"type": "function_call_output", "call_id": "call_1", "output": "a.py\nb.py"},
+    {
+        "type": "function_call",
+        "call_id": "call_2",
+        "namespace": "mcp__docs",
+        "name": "search",
+        "arguments": '{"q": "ls"}',
+    },
+    {"type": "function_call_output", "call_id": "call_2", "output": "no results"},
+    {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Two files."}]},
+    {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Thanks."}]},
+]
+RESPONSES_TOOL = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather where the user is.",
+    "parameters": WEATHER_SCHEMA,
+    "strict": True,
+}
+RESPONSES_CHOICES = {
+    "required": ([RESPONSES_TOOL], "required", None),
+    "named": ([RESPONSES_TOOL], {"type": "function", "name": "get_weather"}, None),
+    # A function inside a namespace, chosen by its own name: vLLM finds it and answers with its namespace.
+    "namespaced": (
+        [
+            {
+                "type": "namespace",
+                "name": "weather",
+                "description": "Weather tools.",
+                "tools": [RESPONSES_TOOL],
+            }
+        ],
+        {"type": "function", "name": "get_weather"},
+        "weather",
+    ),
+}
+FORCED_RESPONSE = {"max_output_tokens": 2000, "seed": 1, "parallel_tool_calls": False}
+
+
+def response_events(response: httpx.Response) -> list[dict]:
+    """A Responses stream's events, each checked to name itself on its `event:` line as its data does."""
+    events, name = [], None
+    for line in response.iter_lines():
+        if line.startswith("event: "):
+            name = line[len("event: ") :]
+        elif line.startswith("data: "):
+            event = json.loads(line[len("data: ") :])
+            assert event["type"] == name, line
+            events.append(event)
+    return events
+
+
+def check_event_order(events: list[dict]) -> list[dict]:
+    """vLLM's order: created, in_progress, then each output item whole (added, its parts and deltas, done) with
+    output indexes from 0, then completed; sequence numbers 0, 1, 2, ... The items done, in order."""
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    kinds = [e["type"] for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    for event in events[:2]:
+        assert event["response"]["status"] == "in_progress" and event["response"]["output"] == []
+        assert event["response"]["usage"] is None
+    done, at = [], 2
+    while at < len(events) - 1:
+        added = events[at]
+        assert added["type"] == "response.output_item.added" and added["output_index"] == len(done)
+        item = added["item"]
+        assert item["status"] == "in_progress"
+        at += 1
+        if item["type"] == "message":
+            assert events[at]["type"] == "response.content_part.added" and events[at]["part"]["text"] == ""
+            at += 1
+            text = ""
+            while events[at]["type"] == "response.output_text.delta":
+                assert events[at]["item_id"] == item["id"] and events[at]["content_index"] == 0
+                text += events[at]["delta"]
+                at += 1
+            assert [e["type"] for e in events[at : at + 2]] == [
+                "response.output_text.done",
+                "response.content_part.done",
+            ]
+            assert events[at]["text"] == events[at + 1]["part"]["text"] == text
+            at += 2
+        else:
+            assert item["type"] == "function_call" and item["arguments"] == ""
+            arguments = ""
+            while events[at]["type"] == "response.function_call_arguments.delta":
+                assert events[at]["item_id"] == item["id"]
+                arguments += events[at]["delta"]
+                at += 1
+            assert events[at]["type"] == "response.function_call_arguments.done"
+            assert events[at]["arguments"] == arguments and events[at]["name"] == item["name"]
+            at += 1
+        finished = events[at]
+        assert finished["type"] == "response.output_item.done" and finished["output_index"] == len(done)
+        assert finished["item"]["id"] == item["id"] and finished["item"]["status"] == "completed"
+        done.append(finished["item"])
+        at += 1
+    completed = events[-1]["response"]
+    assert completed["output"] == done
+    return done
+
+
+def check_usage(usage: dict, max_output: int) -> None:
+    assert set(usage) == {
+        "input_tokens",
+        "input_tokens_details",
+        "output_tokens",
+        "output_tokens_details",
+        "total_tokens",
+    }
+    assert usage["input_tokens"] > 100 and 0 < usage["output_tokens"] <= max_output
+    assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+    cached = usage["input_tokens_details"]["cached_tokens"]
+    assert 0 <= cached <= usage["input_tokens"] and cached % 128 == 0
+    assert usage["output_tokens_details"]["reasoning_tokens"] == 0
+
+
+def check_codex_echo(response: dict) -> None:
+    assert response["object"] == "response" and response["id"].startswith("resp_")
+    assert response["model"] == MODEL_NAME and response["instructions"] == CODEX_REQUEST["instructions"]
+    assert response["tool_choice"] == "auto" and response["parallel_tool_calls"] is True
+    assert response["reasoning"]["summary"] == "auto" and response["previous_response_id"] is None
+    assert [tool["type"] for tool in response["tools"]] == ["function", "namespace", "web_search"]
+    assert response["tools"][1]["tools"][0]["name"] == "search"
+    # Neither engine finishes within 8 tokens (the simulator's call to `shell` is longer).
+    assert response["status"] == "incomplete"
+    assert response["incomplete_details"] == {"reason": "max_output_tokens"}
+
+
+def test_a_codex_request_streams_as_vllm_streams_it(engine):
+    with (
+        engine.client() as client,
+        client.stream("POST", "/v1/responses", json={**CODEX_REQUEST, "stream": True}) as response,
+    ):
+        assert response.status_code == 200, response.read()
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = response_events(response)
+    done = check_event_order(events)
+    assert all(item["type"] in ("message", "function_call") for item in done)
+    completed = events[-1]["response"]
+    check_codex_echo(completed)
+    assert completed["id"] == events[0]["response"]["id"]
+    check_usage(completed["usage"], 8)
+
+
+def test_a_codex_request_is_answered_whole_without_stream(engine):
+    with engine.client() as client:
+        response = client.post("/v1/responses", json=CODEX_REQUEST)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    check_codex_echo(body)
+    check_usage(body["usage"], 8)
+    for item in body["output"]:
+        assert item["status"] == "completed" and item["type"] in ("message", "function_call")
+        if item["type"] == "message":
+            assert item["id"].startswith("msg_") and item["role"] == "assistant"
+            assert [part["type"] for part in item["content"]] == ["output_text"]
+    # The OpenAI SDK reads it.
+    extra = {"client_metadata": CODEX_REQUEST["client_metadata"], "ignore_eos": True}
+    known = {k: v for k, v in CODEX_REQUEST.items() if k not in extra}
+    parsed = openai_sdk(engine).responses.create(**known, extra_body=extra)
+    assert parsed.status == "incomplete" and parsed.usage.input_tokens == body["usage"]["input_tokens"]
+
+
+@pytest.mark.parametrize("choice", RESPONSES_CHOICES)
+def test_a_forced_call_streams_as_function_call_events(engine, choice):
+    tools, tool_choice, namespace = RESPONSES_CHOICES[choice]
+    request = {
+        "model": MODEL_NAME,
+        "input": "What is the weather like?",
+        "tools": tools,
+        "tool_choice": tool_choice,
+        "stream": True,
+        **FORCED_RESPONSE,
+    }
+    with (
+        engine.client(timeout=300) as client,
+        client.stream("POST", "/v1/responses", json=request) as response,
+    ):
+        assert response.status_code == 200
+        events = response_events(response)
+    (call,) = check_event_order(events)
+    assert call["type"] == "function_call" and call["id"].startswith("fc_")
+    assert call["call_id"].startswith("chatcmpl-tool-")
+    assert (call["name"], call["namespace"]) == ("get_weather", namespace)
+    arguments = json.loads(call["arguments"])
+    assert set(arguments) == {"unit"} and arguments["unit"] in UNITS
+    completed = events[-1]["response"]
+    assert completed["status"] == "completed" and completed["incomplete_details"] is None
+    assert completed["usage"]["output_tokens"] > 5
+
+
+@pytest.mark.parametrize("choice", RESPONSES_CHOICES)
+def test_a_forced_call_is_a_function_call_item(engine, choice):
+    tools, tool_choice, namespace = RESPONSES_CHOICES[choice]
+    request = {
+        "model": MODEL_NAME,
+        "input": QUESTION,
+        "tools": tools,
+        "tool_choice": tool_choice,
+        **FORCED_RESPONSE,
+    }
+    with engine.client(timeout=300) as client:
+        body = client.post("/v1/responses", json=request).json()
+    (call,) = body["output"]
+    assert call["type"] == "function_call" and call["status"] == "completed"
+    assert (call["name"], call["namespace"]) == ("get_weather", namespace)
+    assert json.loads(call["arguments"])["unit"] in UNITS
+    # A namespaced function chosen by its own name is echoed by its flat name.
+    echoed = tool_choice if namespace is None else {**tool_choice, "name": f"{namespace}__get_weather"}
+    assert body["status"] == "completed" and body["tool_choice"] == echoed
+    assert body["usage"]["total_tokens"] == body["usage"]["input_tokens"] + body["usage"]["output_tokens"]
+
+
+def test_the_two_engines_answer_responses_with_the_same_fields(sim_engine, vllm_engine):
+    """The Response object and each kind of event have the same fields on both engines (a text answer, and a
+    forced call), and the same events come in the same order."""
+    text = {**CODEX_REQUEST, "tool_choice": "none", "max_output_tokens": 4}
+    call = {"model": MODEL_NAME, "input": QUESTION, "tools": [RESPONSES_TOOL], "tool_choice": "required"}
+    call.update(FORCED_RESPONSE)
+    replies = []
+    for engine in (sim_engine, vllm_engine):
+        reply = {}
+        with engine.client(timeout=300) as client:
+            for name, body in (("text", text), ("call", call)):
+                reply[name] = shape(client.post("/v1/responses", json=body).json())
+                streamed = client.post("/v1/responses", json={**body, "stream": True})
+                events = [
+                    json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: ")
+                ]
+                kinds = [e["type"] for e in events]
+                reply[f"{name} events"] = [k for i, k in enumerate(kinds) if not i or k != kinds[i - 1]]
+                reply[f"{name} shapes"] = {e["type"]: shape(e) for e in events}
+        replies.append(reply)
+    assert replies[0] == replies[1]
+
+
+@pytest.mark.parametrize("input_items", [CODEX_INPUT, CODEX_HISTORY], ids=["first-turn", "later-turn"])
+def test_the_two_engines_render_a_codex_request_alike(sim_engine, vllm_engine, input_items):
+    body = {**CODEX_REQUEST, "input": input_items, "tool_choice": "none", "max_output_tokens": 1}
+    counts = [
+        httpx.post(f"{e.url}/v1/responses", json=body, timeout=120).json()["usage"]["input_tokens"]
+        for e in (sim_engine, vllm_engine)
+    ]
+    assert counts[0] == counts[1] > 100
+
+
+def validation(problems: list[str], param: str) -> dict:
+    count = len(problems)
+    message = f"{count} validation error{'s' if count > 1 else ''}:\n" + "\n".join(f"  {p}" for p in problems)
+    return {"error": {"message": message, "type": "Bad Request", "param": param, "code": 400}}
+
+
+def refusal(message: str, param: str | None, kind: str = "BadRequestError", code: int = 400) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+INCLUDE_CHOICES = (
+    "'code_interpreter_call.outputs', 'computer_call_output.output.image_url', 'file_search_call.results', "
+    "'message.input_image.image_url', 'message.output_text.logprobs' or 'reasoning.encrypted_content'"
+)
+NO_STORE = (
+    "This vLLM engine does not support `store=True` and therefore does not support the background mode. To "
+    "enable these features, set the environment variable `VLLM_ENABLE_RESPONSES_API_STORE=1` when launching the "
+    "vLLM server."
+)
+NOT_FOUND = refusal("Response with id 'resp_earlier' not found.", "response_id", "invalid_request_error", 404)
+RESPONSES_REFUSALS = {
+    "no-input": (
+        {},
+        validation(
+            [
+                "{'type': 'missing', 'loc': 'body.input', 'msg': 'Field required', 'input': '<dict of 2 items>'}"
+            ],
+            "body.input",
+        ),
+    ),
+    "input-a-number": (
+        {"input": 5},
+        validation(
+            [
+                "{'type': 'string_type', 'loc': 'body.input', 'msg': 'Input should be a valid string', 'input': '5'}",
+                "{'type': 'list_type', 'loc': 'body.input', 'msg': 'Input should be a valid list', 'input': '5'}",
+            ],
+            "body.input",
+        ),
+    ),
+    "no-messages": (
+        {"input": []},
+        refusal("Cannot apply chat template to an empty conversation. Provide at least one message.", None),
+    ),
+    "an-unknown-include": (
+        {"input": "hi", "include": ["nope"]},
+        validation(
+            [
+                f"{{'type': 'literal_error', 'loc': 'body.include.0', 'msg': \"Input should be {INCLUDE_CHOICES}\", "
+                f"'input': 'nope', 'ctx': {{'expected': \"{INCLUDE_CHOICES}\"}}}}"
+            ],
+            "body.include.0",
+        ),
+    ),
+    # Nothing is stored (vLLM's default), so no earlier response is ever found, with store on or off.
+    "previous-response-store-off": (
+        {"input": "hi", "previous_response_id": "resp_earlier", "store": False},
+        NOT_FOUND,
+    ),
+    "previous-response-streamed": (
+        {"input": "hi", "previous_response_id": "resp_earlier", "stream": True},
+        NOT_FOUND,
+    ),
+    "background-store-off": (
+        {"input": "hi", "background": True, "store": False},
+        refusal("background can only be used when `store` is true (parameter=background)", "background"),
+    ),
+    "background": (
+        {"input": "hi", "background": True},
+        refusal(NO_STORE, "background", "invalid_request_error"),
+    ),
+    "required-without-tools": (
+        {"input": "hi", "tool_choice": "required"},
+        refusal(
+            "Tool choice 'required' must be specified with 'tools' parameter. (parameter=tool_choice)",
+            "tool_choice",
+        ),
+    ),
+    "named-tool-missing": (
+        {"input": "hi", "tools": [RESPONSES_TOOL], "tool_choice": {"type": "function", "name": "nope"}},
+        refusal(
+            "Tool choice 'function' not found in 'tools' parameter. (parameter=tool_choice)", "tool_choice"
+        ),
+    ),
+    "custom-tool-grammar": (
+        {
+            "input": "hi",
+            "tools": [
+                {
+                    "type": "custom",
+                    "name": "apply_patch",
+                    "format": {"type": "grammar", "syntax": "lark", "definition": "s"},
+                }
+            ],
+        },
+        refusal(
+            "Custom tools with a grammar format are not supported; only free-form text custom tools are accepted. "
+            "(parameter=tools)",
+            "tools",
+        ),
+    ),
+    "prompt-template": (
+        {"input": "hi", "prompt": {"id": "pmpt_1"}},
+        refusal("prompt template is not supported (parameter=prompt)", "prompt"),
+    ),
+    "encrypted-reasoning": (
+        {
+            "input": [
+                {"type": "reasoning", "summary": [], "encrypted_content": "gAAA"},
+                {"role": "user", "content": "hi"},
+            ]
+        },
+        refusal("Encrypted content is not supported. (parameter=input)", "input"),
+    ),
+    "max-output-beyond-context": (
+        {"input": "hi", "max_output_tokens": 5000},
+        refusal(
+            "max_output_tokens=5000 cannot be greater than max_model_len=4096. Please request fewer output tokens. "
+            "(parameter=max_output_tokens, value=5000)",
+            "max_output_tokens",
+        ),
+    ),
+    "max-output-zero": (
+        {"input": "hi", "max_output_tokens": 0},
+        refusal("max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)", "max_tokens"),
+    ),
+    "a-malformed-salt": (
+        {"input": "hi", "cache_salt": "tenant/a"},
+        refusal(f"{SALT_RULE} (parameter=cache_salt)", "cache_salt"),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", RESPONSES_REFUSALS)
+def test_the_responses_api_refuses_as_vllm_does(engine, case):
+    extra, expected = RESPONSES_REFUSALS[case]
+    with engine.client() as client:
+        response = client.post("/v1/responses", json={"model": MODEL_NAME, **extra})
+    assert (response.status_code, response.json()) == (expected["error"]["code"], expected)
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"input": [{"type": "nope"}]}, "body.input"),
+        ({"input": "hi", "tools": [{"type": "nope"}]}, "body.tools.0"),
+        ({"input": "hi", "tools": [RESPONSES_TOOL], "tool_choice": "sometimes"}, "body.tool_choice"),
+        ({"input": "hi", "temperature": "hot"}, "body.temperature"),
+    ],
+    ids=["an-unknown-item", "an-unknown-tool", "an-unknown-tool-choice", "a-temperature-not-a-number"],
+)
+def test_the_responses_api_refuses_malformed_fields_in_pydantics_shape(engine, extra, param):
+    with engine.client() as client:
+        response = client.post("/v1/responses", json={"model": MODEL_NAME, **extra})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["type"] == "Bad Request" and error["param"].startswith(param) and error["code"] == 400
+    assert "validation error" in error["message"]
+
+
+def test_the_responses_api_refuses_what_does_not_fit_or_is_not_stored(engine):
+    with engine.client() as client:
+        long = client.post(
+            "/v1/responses", json={"model": MODEL_NAME, "input": "hello " * 5000, "max_output_tokens": 1}
+        )
+        unknown = client.post("/v1/responses", json={"model": "nope", "input": "hi"})
+        stored = client.get("/v1/responses/resp_earlier")
+    assert long.status_code == 400 and long.json()["error"]["param"] == "input_tokens"
+    assert "maximum context length is 4096 tokens" in long.json()["error"]["message"]
+    assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "NotFoundError"
+    assert (stored.status_code, stored.json()) == (404, NOT_FOUND)
+
+
+# --- /v1/messages as Claude Code calls it ------------------------------------------------------------------------
+# Claude Code streams POST /v1/messages?beta=true with beta headers, adaptive thinking with its display omitted,
+# context management, an effort, and a user id that is a JSON string holding its session. vLLM 0.32 takes them
+# (context_management it ignores; adaptive thinking pins nothing; the effort becomes the reasoning effort).
+CLAUDE_CODE_HEADERS = {
+    "anthropic-version": "2023-06-01",
+    "anthropic-beta": "claude-code-20250219,context-management-2025-06-27,interleaved-thinking-2025-05-14",
+    "x-app": "cli",
+    "X-Claude-Code-Session-Id": "5f1c-session",
+}
+CLAUDE_CODE_REQUEST = {
+    "model": MODEL_NAME,
+    "max_tokens": 3,
+    "system": [
+        {
+            "type": "text",
+            "text": "You are Claude Code, a coding agent.",
+            "cache_control": {"type": "ephemeral"},
+        }
+    ],
+    "messages": [{"role": "user", "content": [{"type": "text", "text": "Fix the bug in utils.py."}]}],
+    "tools": [ANTHROPIC_TOOL],
+    "thinking": {"type": "adaptive", "display": "omitted"},
+    "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+    "output_config": {"effort": "high"},
+    "metadata": {
+        "user_id": json.dumps({"device_id": "d1", "account_uuid": "", "session_id": "5f1c-session"})
+    },
+}
+
+
+def test_claude_codes_fields_are_taken_as_vllm_takes_them(engine):
+    with engine.client() as client:
+        whole = client.post("/v1/messages?beta=true", json=CLAUDE_CODE_REQUEST, headers=CLAUDE_CODE_HEADERS)
+        streamed = client.post(
+            "/v1/messages?beta=true",
+            json={**CLAUDE_CODE_REQUEST, "stream": True},
+            headers=CLAUDE_CODE_HEADERS,
+        )
+        counted = client.post(
+            "/v1/messages/count_tokens?beta=true",
+            json={k: v for k, v in CLAUDE_CODE_REQUEST.items() if k != "max_tokens"},
+            headers=CLAUDE_CODE_HEADERS,
+        )
+    assert whole.status_code == streamed.status_code == counted.status_code == 200, whole.text
+    message = whole.json()
+    assert message["type"] == "message" and message["stop_reason"] == "max_tokens"
+    usage = message["usage"]
+    prompt = usage["input_tokens"] + usage["cache_read_input_tokens"] + usage["cache_creation_input_tokens"]
+    assert prompt == counted.json()["input_tokens"] > 100 and usage["output_tokens"] == 3
+    names = [line[len("event: ") :] for line in streamed.text.splitlines() if line.startswith("event: ")]
+    assert names[0] == "message_start" and names[-2:] == ["message_delta", "message_stop"]
+
+
+EFFORTS = "'low', 'medium', 'high', 'xhigh' or 'max'"
+DISPLAYS = "'summarized', 'omitted' or 'updates'"
+THINKING_TAGS = "'enabled', 'disabled', 'adaptive'"
+MESSAGES_REFUSALS = {
+    "unknown-thinking": (
+        {"thinking": {"type": "bogus"}},
+        "body.thinking",
+        "{'type': 'union_tag_invalid', 'loc': 'body.thinking', 'msg': \"Input tag 'bogus' found using 'type' does "
+        f"not match any of the expected tags: {THINKING_TAGS}\", 'input': '<dict of 1 items>', 'ctx': "
+        f"{{'discriminator': \"'type'\", 'tag': 'bogus', 'expected_tags': \"{THINKING_TAGS}\"}}}}",
+    ),
+    "unknown-display": (
+        {"thinking": {"type": "adaptive", "display": "nope"}},
+        "body.thinking.adaptive.display",
+        f"{{'type': 'literal_error', 'loc': 'body.thinking.adaptive.display', 'msg': \"Input should be {DISPLAYS}\", "
+        f"'input': 'nope', 'ctx': {{'expected': \"{DISPLAYS}\"}}}}",
+    ),
+    "unknown-effort": (
+        {"output_config": {"effort": "bogus"}},
+        "body.output_config.effort",
+        f"{{'type': 'literal_error', 'loc': 'body.output_config.effort', 'msg': \"Input should be {EFFORTS}\", "
+        f"'input': 'bogus', 'ctx': {{'expected': \"{EFFORTS}\"}}}}",
+    ),
+    "small-budget": (
+        {"thinking": {"type": "enabled", "budget_tokens": 10}},
+        "body.thinking.enabled.budget_tokens",
+        "{'type': 'greater_than_equal', 'loc': 'body.thinking.enabled.budget_tokens', 'msg': 'Input should be "
+        "greater than or equal to 1024', 'input': '10', 'ctx': {'ge': 1024}}",
+    ),
+    "budget-over-max-tokens": (
+        {"thinking": {"type": "enabled", "budget_tokens": 2000}, "max_tokens": 1500},
+        "body",
+        "{'type': 'value_error', 'loc': 'body', 'msg': 'Value error, thinking.budget_tokens must be less than "
+        "max_tokens', 'input': '<dict of 4 items>', 'ctx': {'error': ValueError('thinking.budget_tokens must be "
+        "less than max_tokens')}}",
+    ),
+    "metadata-a-string": (
+        {"metadata": "x"},
+        "body.metadata",
+        "{'type': 'dict_type', 'loc': 'body.metadata', 'msg': 'Input should be a valid dictionary', 'input': 'x'}",
+    ),
+    "max-tokens-zero": (
+        {"max_tokens": 0},
+        "body.max_tokens",
+        "{'type': 'value_error', 'loc': 'body.max_tokens', 'msg': 'Value error, max_tokens must be positive', "
+        "'input': '0', 'ctx': {'error': ValueError('max_tokens must be positive')}}",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", MESSAGES_REFUSALS)
+def test_the_messages_api_refuses_malformed_claude_code_fields_as_vllm_does(engine, case):
+    extra, param, problem = MESSAGES_REFUSALS[case]
+    body = {"model": MODEL_NAME, "max_tokens": 3, "messages": QUESTION, **extra}
+    with engine.client() as client:
+        response = client.post("/v1/messages?beta=true", json=body, headers=CLAUDE_CODE_HEADERS)
+    assert (response.status_code, response.json()) == (400, validation([problem], param))

@@ -292,6 +292,39 @@ def test_auto_tool_choice_calls_the_first_tool_when_the_user_has_the_last_word(s
         assert "tool_calls" not in text["message"]
 
 
+@pytest.fixture
+def agent_model_engine():
+    """The simulated model as the platform starts it for agents (serving.engine_command.simulated_model_args)."""
+    engine = start_engine("sim", "--answer-length", "6", "--tool-calls-per-conversation", "2")
+    yield engine
+    engine.stop()
+
+
+def test_an_agent_model_ends_its_answers_and_its_tool_loops(agent_model_engine):
+    engine = agent_model_engine
+    # A sampled answer ends by itself after its length, unless max_tokens cuts it first.
+    for max_tokens, finish, count in ((50, "stop", 6), (3, "length", 3)):
+        reply = chat(engine, messages=ASK, max_tokens=max_tokens)
+        assert reply["choices"][0]["finish_reason"] == finish
+        assert reply["usage"]["completion_tokens"] == count
+    # A user turn gets a call of the first tool until the conversation holds two calls.
+    history = list(ASK)
+    for _ in range(2):
+        choice = chat(engine, messages=history, tools=[WEATHER, SEARCH], max_tokens=200)["choices"][0]
+        assert choice["finish_reason"] == "tool_calls"
+        (call,) = choice["message"]["tool_calls"]
+        history += [
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": call["id"], "content": "21 degrees"},
+            {"role": "user", "content": "And tomorrow?"},
+        ]
+    done = chat(engine, messages=history, tools=[WEATHER, SEARCH], max_tokens=200)["choices"][0]
+    assert done["finish_reason"] == "stop" and "tool_calls" not in done["message"]
+    # A named or required choice still calls, whatever the conversation holds.
+    forced = chat(engine, messages=history, tools=[WEATHER], tool_choice="required", max_tokens=200)
+    assert forced["choices"][0]["message"]["tool_calls"]
+
+
 def test_tool_arguments_follow_the_tools_schema(sim_engine):
     schema = {
         "type": "object",
