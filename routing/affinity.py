@@ -60,7 +60,7 @@ class ApproximateIndex:
 
 
 class SessionMap:
-    """x-session-id -> the endpoint that served it last, for `ttl_s` seconds."""
+    """A session (routing/sessions.py) -> the endpoint that served it last, for `ttl_s` seconds."""
 
     def __init__(self, ttl_s: float = 600, max_sessions: int = 200_000):
         self.ttl_s = ttl_s

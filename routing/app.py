@@ -29,6 +29,7 @@ from inference_platform.config_version import CONFIG_VERSION_KEY
 from . import metrics
 from .admission import Admission
 from .dialects import ANTHROPIC, OPENAI, RESPONSES, Dialect, RenderError, first_media_part
+from .engine_errors import refusal, route_missing_body
 from .finisher import Finisher
 from .flow import FlowControl
 from .generation import generate
@@ -216,7 +217,7 @@ class Router:
         dialect = GENERATION_ROUTES.get(path)
         if dialect is not None:
             if method != "POST":
-                return await respond(send, 405, OPENAI.error_body(405, "Use POST."), JSON_HEADERS)
+                return await respond(send, 405, dialect.error_body(405, "Use POST."), JSON_HEADERS)
             return await generate(self, scope, receive, send, dialect)
         if path == "/v1/models" and method == "GET":
             return await self.models(scope, send)
@@ -246,7 +247,9 @@ class Router:
             f"No route {method} {path}. This router serves POST /v1/chat/completions, /v1/completions, "
             "/v1/messages, /v1/messages/count_tokens and /v1/responses, and GET /v1/models."
         )
-        await respond(send, 404, OPENAI.error_body(404, message), JSON_HEADERS)
+        # In Anthropic's shape for Anthropic's clients (they send `anthropic-version`), else in OpenAI's.
+        anthropic = header(scope, b"anthropic-version") is not None or path.startswith("/v1/messages")
+        await respond(send, 404, (ANTHROPIC if anthropic else OPENAI).error_body(404, message), JSON_HEADERS)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -349,6 +352,18 @@ class Router:
             log.warning("count_tokens on %s failed: %s", endpoint.name, exc)
             message = "The engine could not count the tokens. Retry shortly."
             return await respond(send, 502, ANTHROPIC.error_body(502, message), JSON_HEADERS)
+        if status >= 500:
+            log.warning("count_tokens on %s failed: the engine answered %s", endpoint.name, status)
+            message = "The engine could not count the tokens. Retry shortly."
+            return await respond(send, 502, ANTHROPIC.error_body(502, message), JSON_HEADERS)
+        if status != 200:
+            refused = refusal(ANTHROPIC, status, answer, endpoint.url)
+            if refused.route_missing:
+                body = route_missing_body(
+                    ANTHROPIC, deployment.served_model_name, "/v1/messages/count_tokens"
+                )
+                return await respond(send, 404, body, JSON_HEADERS)
+            status, answer = refused.status, refused.body
         await respond(send, status, answer, JSON_HEADERS)
 
     # --- authentication ---------------------------------------------------------------------------------

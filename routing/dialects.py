@@ -200,6 +200,19 @@ class ResponsesDialect(Dialect):
     SPECIAL_MARKERS = (b"response.completed",)
     CONTENT_MARKER = b"event: response.output_text.delta\n"
 
+    def stream_error_event(self, status: int, message: str) -> bytes:
+        """`response.failed`, which Responses clients such as Codex read (they take a stream that ends without
+        `response.completed` or `response.failed` for a dropped connection, and retry it), its `error` also at
+        the top, where the OpenAI SDKs look for a stream's error."""
+        error = orjson.loads(self.error_body(status, message))["error"]
+        failed = {"code": "server_error" if status >= 500 else error["type"], "message": message}
+        event = {
+            "type": "response.failed",
+            "response": {"object": "response", "status": "failed", "error": failed, "output": []},
+            "error": error,
+        }
+        return b"event: response.failed\ndata: " + orjson.dumps(event) + b"\n\n"
+
     def usage_from_body(self, body: dict) -> Usage:
         usage = (body.get("response") or body).get("usage") or {}
         details = usage.get("input_tokens_details") or {}
@@ -331,8 +344,9 @@ def chat_inputs(payload: dict, traits: TemplateTraits = TemplateTraits(), *, eac
     return ChatInputs(conversation, tools, kwargs)
 
 
-def _text_parts(content, role: str) -> list[str]:
-    """The text of a message's content parts; anything a text-only model cannot take is refused."""
+def _text_parts(content, role: str) -> list:
+    """The text of a message's content parts; anything a text-only model cannot take is refused. A tool
+    reference part stays a part (`{"type": "tool_reference", "name": ...}`)."""
     if isinstance(content, str):
         parts = [content]
     elif content is None:
@@ -341,15 +355,18 @@ def _text_parts(content, role: str) -> list[str]:
         parts = []
         for part in content:
             if isinstance(part, str):
-                parts.append(part)
+                if part:  # the engine drops empty texts before joining the rest
+                    parts.append(part)
                 continue
             if not isinstance(part, dict):
                 raise RenderError("bad_content", "A content part must be an object with a `type`.")
             kind = part.get("type")
             if kind in TEXT_ONLY_PARTS:
                 text = part.get(kind if kind == "refusal" else "text")
-                if text is not None:
+                if text:
                     parts.append(text)
+            elif kind == "tool_reference":  # a deferred tool named for the template to expand
+                parts.append({"type": "tool_reference", "name": part.get("name")})
             elif kind in (
                 "image_url",
                 "input_image",
@@ -373,7 +390,11 @@ def _text_parts(content, role: str) -> list[str]:
     return parts
 
 
-def _without_billing_header(parts: list[str]) -> list[str]:
+def _named(part) -> bool:
+    return isinstance(part, str) or bool(part["name"])
+
+
+def _without_billing_header(parts: list) -> list:
     out = []
     for text in parts:
         if isinstance(text, str) and text.startswith(BILLING_HEADER):
@@ -390,11 +411,11 @@ def _chat_message(message, traits: TemplateTraits) -> dict:
     role = message["role"]
     texts = _text_parts(message.get("content"), role)
     if traits.content_format == "openai":
-        content = [{"type": "text", "text": text} for text in texts]
-        if role == "tool":
-            content = "\n".join(texts)
+        content = [{"type": "text", "text": t} if isinstance(t, str) else t for t in texts]
+        if role == "tool" and all(isinstance(t, str) for t in texts):
+            content = "\n".join(texts)  # a tool reference keeps a tool message's parts, for the template
     else:
-        content = "\n".join(texts)
+        content = "\n".join(t if isinstance(t, str) else t["name"] for t in texts if _named(t))
     result: dict = {"role": role, "content": content}
     if role == "assistant":
         calls = message.get("tool_calls")
@@ -526,12 +547,50 @@ def anthropic_chat_request(payload: dict, *, merge_inline_system: bool = False, 
             else {"auto": "auto", "any": "required", "none": "none"}.get(kind, kind)
         )
     tools = payload.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise RenderError("bad_tools", "`tools` must be a list.", "tools")
+    tools = _anthropic_tools_in_effect(tools, inline)
     if tools is not None:
-        if not isinstance(tools, list):
-            raise RenderError("bad_tools", "`tools` must be a list.", "tools")
         request["tools"] = [_anthropic_tool(tool) for tool in tools]
         request.setdefault("tool_choice", "auto")
     return request
+
+
+def _anthropic_tools_in_effect(tools: list | None, messages: list) -> list | None:
+    """`tools` as the `tool_addition` and `tool_removal` blocks of system messages leave them at the end of the
+    conversation (the template sees one list): a tool added by name is no longer deferred, one added by value
+    is declared (in the place of one of its name), a removed one is dropped."""
+    changes = [
+        block
+        for message in messages
+        if isinstance(message, dict)
+        and message.get("role") == "system"
+        and isinstance(message.get("content"), list)
+        for block in message["content"]
+        if isinstance(block, dict) and block.get("type") in ("tool_addition", "tool_removal")
+    ]
+    if not changes:
+        return tools
+    by_name = {tool.get("name"): tool for tool in tools or () if isinstance(tool, dict)}
+    removed = set()
+    for block in changes:
+        change = block.get("tool") if isinstance(block.get("tool"), dict) else {}
+        if change.get("type") == "tool_definition" and isinstance(change.get("definition"), dict):
+            name = change["definition"].get("name")
+            by_name[name] = change["definition"]
+        else:
+            name = change.get("name")
+            if name not in by_name:
+                raise RenderError(
+                    "bad_tools", f"{block['type']} references tool {name!r}, which is not declared in tools"
+                )
+            if block["type"] == "tool_addition":
+                by_name[name] = {**by_name[name], "defer_loading": None}
+        if block["type"] == "tool_removal":
+            removed.add(name)
+        else:
+            removed.discard(name)
+    return [tool for name, tool in by_name.items() if name not in removed]
 
 
 def _anthropic_system(system) -> list[str]:
@@ -595,13 +654,7 @@ def _anthropic_message(message, merge_inline_system: bool) -> list[dict]:
             )
         elif kind == "tool_result":
             if role == "user":
-                out.append(
-                    {
-                        "role": "tool",
-                        "tool_call_id": block.get("tool_use_id") or "",
-                        "content": _tool_result_text(block.get("content")),
-                    }
-                )
+                out.extend(_tool_result_messages(block))
             else:
                 parts.append({"type": "text", "text": f"Tool result: {block.get('content') or ''}"})
         elif kind not in ("redacted_thinking", "tool_reference", "tool_addition", "tool_removal"):
@@ -618,32 +671,39 @@ def _anthropic_message(message, merge_inline_system: bool) -> list[dict]:
     return [*out, converted]
 
 
-def _tool_result_text(content) -> str:
+def _tool_result_messages(block: dict) -> list[dict]:
+    """A user's tool_result block as the tool message of its text, then one of the deferred tools it names
+    (`tool_reference` items), if any, for the template to expand."""
+    content, call_id = block.get("content"), block.get("tool_use_id") or ""
+    texts, references = [], []
     if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
+        texts.append(content)
+    elif isinstance(content, list):
         for item in content:
             if not isinstance(item, dict):
                 continue
-            if item.get("type") == "text":
+            kind = item.get("type")
+            if kind == "text":
                 texts.append(item.get("text", ""))
-            elif item.get("type") == "image":
+            elif kind == "image":
                 raise RenderError(
                     "image", "This model takes text only: remove the image from the tool result."
                 )
-        return "\n".join(texts)
-    return ""
+            elif kind == "tool_reference" and (item.get("tool_name") or item.get("name")):
+                references.append({"type": "tool_reference", "name": item.get("tool_name") or item["name"]})
+    out = [{"role": "tool", "tool_call_id": call_id, "content": "\n".join(texts)}]
+    if references:
+        out.append({"role": "tool", "tool_call_id": call_id, "content": references})
+    return out
 
 
 def _anthropic_tool(tool) -> dict:
     if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
         raise RenderError("bad_tools", "Each tool needs a `name` and an `input_schema`.", "tools")
-    function = {
-        "name": tool["name"],
-        "description": tool.get("description"),
-        "parameters": tool.get("input_schema"),
-    }
+    schema = tool.get("input_schema")
+    if isinstance(schema, dict) and "type" not in schema:
+        schema = {**schema, "type": "object"}  # the engine's default for a schema without one
+    function = {"name": tool["name"], "description": tool.get("description"), "parameters": schema}
     for key in ("strict", "defer_loading"):
         if tool.get(key) is not None:
             function[key] = tool[key]
@@ -676,13 +736,22 @@ def first_media_part(messages: list) -> str | None:
 
 
 # --- The Responses API's input as a chat-completions request --------------------------------------------
+# As vLLM 0.32 turns it into one (entrypoints/openai/responses/utils.py: construct_input_messages and
+# construct_tool_dicts; protocol.py: ResponsesRequest's input parsing and build_chat_params;
+# tool_parsers/utils.py: get_function_tools).
+
+NAMESPACE_SEPARATOR = "__"  # a namespaced function is shown to the model as `<namespace>__<name>`
+CUSTOM_TOOL_INPUT = "input"  # a custom (freeform) tool is shown as a function of one string argument
+RESPONSES_ENGINE_KWARGS = ("add_generation_prompt", "continue_final_message")
 
 
 def responses_chat_request(payload: dict) -> dict:
-    """The chat-completions request a Responses API request becomes in the engine (vLLM's
-    construct_input_messages): `instructions` as a system message, a string `input` as the user's, input items
-    as chat messages (a function call joins the assistant message before it, its output becomes a tool message,
-    reasoning and assistant text join the assistant message too), function tools as chat tools."""
+    """The chat-completions request a Responses API request becomes in the engine: `instructions` as a system
+    message, a string `input` as the user's, input items as chat messages (a function call joins the assistant
+    message before it, its output becomes a tool message, reasoning and assistant text join the assistant
+    message too; a namespaced call is named `<namespace>__<name>`), the function tools the model is shown as
+    chat tools (namespaces flattened, custom tools as one-string functions, hosted tools such as web_search
+    dropped)."""
     if payload.get("previous_response_id") is not None:
         raise RenderError(
             "previous_response",
@@ -704,21 +773,33 @@ def responses_chat_request(payload: dict) -> dict:
     if tools:
         if not isinstance(tools, list):
             raise RenderError("bad_tools", "`tools` must be a list.", "tools")
-        request["tools"] = [_responses_tool(tool) for tool in tools if _is_function_tool(tool)] or None
+        request["tools"] = responses_function_tools(tools)
     reasoning = payload.get("reasoning")
-    if isinstance(reasoning, dict) and reasoning.get("effort") is not None:
-        request["reasoning_effort"] = reasoning["effort"]
-    if payload.get("chat_template_kwargs") is not None:
-        request["chat_template_kwargs"] = payload["chat_template_kwargs"]
-    last = source[-1] if isinstance(source, list) else None
-    if isinstance(last, dict) and last.get("type", "message") in ("message", "reasoning"):
-        if last.get("role", "assistant") == "assistant" and last.get("status") in (
-            "in_progress",
-            "incomplete",
-        ):
-            request["continue_final_message"] = True
-            request["add_generation_prompt"] = False
+    effort = reasoning.get("effort") if isinstance(reasoning, dict) else None
+    if effort is not None:
+        request["reasoning_effort"] = effort
+    user_kwargs = payload.get("chat_template_kwargs")
+    if isinstance(user_kwargs, dict):
+        # The engine's own variables override the request's here (they do not for chat completions).
+        overridden = RESPONSES_ENGINE_KWARGS + (("reasoning_effort",) if effort is not None else ())
+        request["chat_template_kwargs"] = {k: v for k, v in user_kwargs.items() if k not in overridden}
+    elif user_kwargs is not None:
+        request["chat_template_kwargs"] = user_kwargs  # refused by chat_inputs, as the engine refuses it
+    if _continues_final_item(source):
+        request["continue_final_message"] = True
+        request["add_generation_prompt"] = False
     return request
+
+
+def _continues_final_item(source) -> bool:
+    """Whether the last input item is a message or reasoning item still in progress (the engine then continues
+    it rather than starting a new turn), whatever its role."""
+    last = source[-1] if isinstance(source, list) and source else None
+    return (
+        isinstance(last, dict)
+        and last.get("type", "message") in ("message", "reasoning")
+        and last.get("status") in ("in_progress", "incomplete")
+    )
 
 
 def _responses_item(item, messages: list[dict]) -> None:
@@ -726,23 +807,12 @@ def _responses_item(item, messages: list[dict]) -> None:
         raise RenderError("bad_input", "Each input item must be an object.", "input")
     kind = item.get("type")
     previous = messages[-1] if messages and messages[-1].get("role") == "assistant" else None
-    if kind == "function_call":
-        if item.get("namespace"):
-            raise RenderError(
-                "tool_namespace", "Namespaced function calls are not rendered by the router.", "input"
-            )
-        call = {
-            "id": item.get("call_id"),
-            "function": {"name": item.get("name"), "arguments": item.get("arguments")},
-            "type": "function",
-        }
-        if previous is not None:
-            previous["tool_calls"] = [*(previous.get("tool_calls") or []), call]
-        else:
-            messages.append({"role": "assistant", "tool_calls": [call]})
+    if kind in ("function_call", "custom_tool_call"):
+        _join_tool_call(_responses_call(item), previous, messages)
     elif kind == "reasoning":
         if item.get("encrypted_content"):
-            raise RenderError("encrypted_reasoning", "Encrypted reasoning content is not supported.", "input")
+            # vLLM refuses it too (400, param `input`): it cannot read another provider's encrypted reasoning.
+            raise RenderError("encrypted_reasoning", "Encrypted content is not supported.", "input")
         parts = item.get("content") or item.get("summary") or []
         text = parts[0].get("text", "") if parts and isinstance(parts[0], dict) else ""
         if previous is not None and previous.get("reasoning") is None:
@@ -768,19 +838,113 @@ def _responses_item(item, messages: list[dict]) -> None:
         raise RenderError("bad_input", f"Unsupported input item type: {kind}", "input")
 
 
-def _is_function_tool(tool) -> bool:
-    if not isinstance(tool, dict):
-        raise RenderError("bad_tools", "Each tool must be an object with a `type`.", "tools")
-    if tool.get("type") == "namespace":
-        raise RenderError("tool_namespace", "Namespaced tools are not rendered by the router.", "tools")
-    return tool.get("type") == "function"
+def _responses_call(item: dict) -> dict:
+    """A function or custom tool call item as an assistant tool call: a namespaced function by its flat name,
+    a custom tool's text input as the one argument of its function."""
+    name = item.get("name")
+    if item.get("type") == "custom_tool_call":
+        payload = item.get("input") or ""
+        arguments = json.dumps({CUSTOM_TOOL_INPUT: payload}, ensure_ascii=False)
+    else:
+        arguments = item.get("arguments")
+        if item.get("namespace"):
+            name = flat_tool_name(item["namespace"], name)
+    return {"id": item.get("call_id"), "function": {"name": name, "arguments": arguments}, "type": "function"}
+
+
+def _join_tool_call(call: dict, previous: dict | None, messages: list[dict]) -> None:
+    if previous is not None:
+        previous["tool_calls"] = [*(previous.get("tool_calls") or []), call]
+    else:
+        messages.append({"role": "assistant", "tool_calls": [call]})
+
+
+def flat_tool_name(namespace: str, name) -> str:
+    return f"{namespace}{NAMESPACE_SEPARATOR}{name}"
+
+
+def responses_function_tools(tools: list) -> list[dict]:
+    """The Responses tools the model is shown, in request order, as chat tools: functions as they are, each
+    function of a namespace as `<namespace>__<name>` (the namespace's description and its custom tools are not
+    shown), a custom tool as a function taking one string; hosted tools (web_search, file_search, mcp, ...)
+    are not shown to the model at all."""
+    out = []
+    for tool in tools:
+        if not isinstance(tool, dict):
+            raise RenderError("bad_tools", "Each tool must be an object with a `type`.", "tools")
+        kind = tool.get("type")
+        if kind == "function":
+            out.append(_responses_tool(tool))
+        elif kind == "namespace":
+            namespace, members = tool.get("name"), tool.get("tools")
+            if not isinstance(namespace, str) or not isinstance(members, list):
+                raise RenderError(
+                    "bad_tools", "A namespace tool needs a `name` and a list of `tools`.", "tools"
+                )
+            for member in members:
+                if isinstance(member, dict) and member.get("type") == "function":
+                    flat = flat_tool_name(namespace, _tool_name(member))
+                    out.append(_responses_tool({**member, "name": flat}))
+        elif kind == "custom":
+            tool_format = tool.get("format")
+            if isinstance(tool_format, dict) and tool_format.get("type") == "grammar":
+                raise RenderError(
+                    "custom_tool_grammar",
+                    "Custom tools with a grammar format are not supported; "
+                    "only free-form text custom tools are accepted.",
+                    "tools",
+                )
+            out.append(
+                _responses_tool(
+                    {
+                        "name": _tool_name(tool),
+                        "description": tool.get("description"),
+                        "parameters": custom_tool_parameters(),
+                    }
+                )
+            )
+    return out
+
+
+def responses_tool_names(tools) -> dict[str, tuple[str, str | None]]:
+    """The flat name the model calls each namespaced function by -> (its name, its namespace): a call the model
+    makes by a flat name goes back to the client as `name` and `namespace`; other names stand for themselves."""
+    names: dict[str, tuple[str, str | None]] = {}
+    for tool in tools or ():
+        if not isinstance(tool, dict) or tool.get("type") != "namespace":
+            continue
+        namespace, members = tool.get("name"), tool.get("tools")
+        if not isinstance(namespace, str) or not isinstance(members, list):
+            continue
+        for member in members:
+            if isinstance(member, dict) and member.get("type") == "function":
+                name = member.get("name")
+                if isinstance(name, str):
+                    names[flat_tool_name(namespace, name)] = (name, namespace)
+    return names
+
+
+def custom_tool_parameters() -> dict:
+    """The schema of the one-string function a custom tool is shown as."""
+    return {
+        "type": "object",
+        "properties": {
+            CUSTOM_TOOL_INPUT: {"type": "string", "description": "The freeform text payload for this tool."}
+        },
+        "required": [CUSTOM_TOOL_INPUT],
+        "additionalProperties": False,
+    }
+
+
+def _tool_name(tool: dict) -> str:
+    if not isinstance(tool.get("name"), str):
+        raise RenderError("bad_tools", "Each function tool needs a `name`.", "tools")
+    return tool["name"]
 
 
 def _responses_tool(tool: dict) -> dict:
-    if not isinstance(tool.get("name"), str):
-        raise RenderError("bad_tools", "Each function tool needs a `name`.", "tools")
     function = {
-        "name": tool["name"],
+        "name": _tool_name(tool),
         "description": tool.get("description"),
         "parameters": tool.get("parameters"),
     }

@@ -16,6 +16,7 @@ from . import metrics
 from .admission import cost_units
 from .dialects import OPENAI, Dialect, Usage
 from .disagg import prefill_elsewhere
+from .engine_errors import refusal, route_missing_body
 from .flow import QueueTimeout, Ticket
 from .framework import RequestContext
 from .load import RECENT_WINDOW_S, EndpointLoad, Prefill
@@ -125,9 +126,12 @@ class Exchange:
                 await self._attempts()
         except asyncio.CancelledError:
             if watcher.done() and not watcher.cancelled() and watcher.result():
-                self.status = "cancelled"
-                self.http_status = 499
-                return  # the client went away: nothing left to send
+                # The client went away: nothing left to send. One that hangs up once the answer's end reached it
+                # (Codex closes the stream at `response.completed`) was served whole: that stays completed.
+                if self.status != "completed":
+                    self.status = "cancelled"
+                    self.http_status = 499
+                return
             raise
         finally:
             watcher.cancel()
@@ -188,10 +192,13 @@ class Exchange:
                 return True
 
     async def _attempts(self) -> None:
+        """Try engines until one answers, up to ROUTER_MAX_ATTEMPTS. An engine that fails before anything reached
+        the client (a 5xx, no connection, no first token in time, a route it lacks: see routing/engine_errors.py)
+        is left for another; when none answers, the client gets an error in its dialect (`_give_up`)."""
         request, router = self.request, self.router
         ctx = request.ctx
         tried: set[int] = set()
-        last_error = "no healthy endpoint serves this model"
+        failures: list[str] = []  # what went wrong with each engine tried, in order
         policy = request.deployment.policy
         ticket = self.ticket
         if policy.flow_control and ticket is not None:
@@ -223,30 +230,56 @@ class Exchange:
             uncached = 0 if self.prefilled_remotely else ctx.prompt_tokens_estimate - self.predicted_cached
             self._prefilling = load, load.prefill_began(float(max(0, uncached)), time.monotonic())
             try:
-                if await self._try(endpoint.url, body):
+                failure = await self._try(endpoint.url, body)
+                if failure is None:
                     return
-                last_error = f"engine {endpoint.name} answered {self.http_status}"
+                failures.append(failure)
+                log.warning("request %s: engine %s: %s", request.request_id, endpoint.name, failure)
             except UpstreamError as exc:
                 self.dispatched = False  # it answered nothing: the prompt is not billed
-                last_error = f"could not reach engine {endpoint.name}: {exc.__class__.__name__}"
-                log.warning("request %s: %s (%s)", request.request_id, last_error, exc)
+                failures.append("timeout" if isinstance(exc, UpstreamTimeout) else "connect")
+                log.warning("request %s: engine %s: %r", request.request_id, endpoint.name, exc)
                 metrics.of(metrics.errors, self.model, "connect").inc()
             finally:
                 load.end(weight)
                 self._prefill_done()
-        self.http_status = 503 if not tried else 502
+        await self._give_up(failures)
+
+    async def _give_up(self, failures: list[str]) -> None:
+        """No engine answered: the client's error, in its dialect, naming no engine. No engine to try: 503. Every
+        engine tried lacks the route: 404 (routing/engine_errors.py). Otherwise 502, or 504 when the engines
+        only timed out."""
+        request = self.request
+        dialect = request.dialect
+        if not failures:
+            self.http_status = 503
+            message = f"The model `{self.model}` is unavailable right now (no engine of it is ready). Retry shortly."
+        elif all(failure == "route_missing" for failure in failures):
+            self.http_status = 404
+            metrics.of(metrics.errors, self.model, "route_missing").inc()
+            body = route_missing_body(dialect, self.model, request.scope["path"])
+            return await respond(self.send, 404, body, self._error_headers())
+        elif all(failure in ("timeout", "route_missing") for failure in failures):
+            self.http_status = 504
+            message = (
+                f"The model `{self.model}` is unavailable right now: no engine started the answer within "
+                f"{self.first_token_timeout:g} s. Retry shortly."
+            )
+        else:
+            self.http_status = 502
+            message = (
+                f"The model `{self.model}` is unavailable right now: its engines failed or could not be "
+                "reached. Retry shortly."
+            )
         metrics.of(metrics.errors, self.model, "unavailable").inc()
         await respond(
-            self.send,
-            self.http_status,
-            request.dialect.error_body(
-                self.http_status, f"The model is unavailable right now ({last_error}). Retry shortly."
-            ),
-            JSON_HEADERS,
+            self.send, self.http_status, dialect.error_body(self.http_status, message), self._error_headers()
         )
 
-    async def _try(self, base_url: str, body: bytes) -> bool:
-        """One attempt. False means: failed before anything reached the client, so another engine may serve it."""
+    async def _try(self, base_url: str, body: bytes) -> str | None:
+        """One attempt. None: answered (the client has the engine's answer, or its refusal in the client's
+        dialect). Otherwise what failed before anything reached the client, so that another engine may serve it:
+        "engine_5xx" or "route_missing"."""
         sent_at = time.perf_counter()
         self.dispatched = True
         try:
@@ -255,16 +288,16 @@ class Exchange:
                     base_url + self.request.scope["path"], body, self.upstream_headers()
                 ) as resp:
                     metrics.of(metrics.added, self.model).observe(sent_at - self.request.started)
+                    self.http_status = resp.status
                     if resp.status >= 500:
-                        self.http_status = resp.status
                         self.dispatched = False
                         await resp.read()
                         metrics.of(metrics.errors, self.model, "upstream_5xx").inc()
-                        return False
-                    self.http_status = resp.status
+                        return "engine_5xx"
                     if resp.status != 200:
                         self.dispatched = False  # the engine refused it: nothing was computed
-                    if self.request.stream and resp.status == 200:
+                        return await self._relay_refusal(resp, base_url)
+                    if self.request.stream:
                         await self._relay_stream(resp, deadline)
                     else:
                         await self._relay_body(resp)
@@ -279,7 +312,7 @@ class Exchange:
             self.dispatched = False
             metrics.of(metrics.errors, self.model, "first_token_timeout").inc()
             raise UpstreamTimeout(f"no first token within {self.first_token_timeout:g} s") from None
-        return True
+        return None
 
     def upstream_headers(self) -> list[tuple[str, str]]:
         """Only the router's own headers: never the client's key. The engine key proves the call comes from
@@ -293,14 +326,34 @@ class Exchange:
     async def _relay_body(self, resp: Response) -> None:
         body = await resp.read()
         self._first_byte()
-        if resp.status == 200:
-            try:
-                self.usage = self.request.dialect.usage_from_body(orjson.loads(body))
-            except orjson.JSONDecodeError:
-                pass
-            self.status = "completed"
+        try:
+            answer = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            answer = None
+        if not isinstance(answer, dict):
+            # Not an answer any client can read: the engine (or something in front of it) is broken.
+            self.dispatched = False
+            self.http_status = 502
+            metrics.of(metrics.errors, self.model, "upstream_not_json").inc()
+            await self.complete()
+            message = f"The model `{self.model}`'s engine gave an answer that is not JSON. Retry shortly."
+            error = self.request.dialect.error_body(502, message)
+            return await respond(self.send, 502, error, self._error_headers())
+        self.usage = self.request.dialect.usage_from_body(answer)
+        self.status = "completed"
         await self.complete()
         await respond(self.send, resp.status, body, self._response_headers(resp))
+
+    async def _relay_refusal(self, resp: Response, base_url: str) -> str | None:
+        """An engine's answer below 500 other than 200, passed on in the client's dialect
+        (routing/engine_errors.py); "route_missing" when the engine lacks the route, for another to try."""
+        answer = refusal(self.request.dialect, resp.status, await resp.read(), base_url)
+        if answer.route_missing:
+            return "route_missing"
+        self._first_byte()
+        await self.complete()
+        await respond(self.send, answer.status, answer.body, self._error_headers())
+        return None
 
     async def _relay_stream(self, resp: Response, deadline: asyncio.Timeout) -> None:
         """Pass the engine's events on as they come. The response starts with the first event, so an engine that
@@ -428,6 +481,10 @@ class Exchange:
             metrics.of(metrics.ttft, self.model, self.endpoint_name).observe(
                 self.first_byte_at - self.request.started
             )
+
+    def _error_headers(self) -> list[tuple[bytes, bytes]]:
+        request_id = (b"x-request-id", self.request.request_id.encode())
+        return [*JSON_HEADERS, request_id, *encode_headers(self.request.headers)]
 
     def _response_headers(self, resp: Response) -> list[tuple[bytes, bytes]]:
         content_type = resp.header(b"content-type", b"application/json")

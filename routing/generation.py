@@ -32,9 +32,10 @@ from .requests import (
     read_body,
     validate,
 )
+from .sessions import session_key
 from .state import DeploymentInfo
 from .tokenize import token_ids
-from .wire import JSON_HEADERS, Receive, Send, encode_headers, header, respond
+from .wire import JSON_HEADERS, Receive, Send, encode_headers, respond
 
 if TYPE_CHECKING:
     from .app import Router
@@ -53,6 +54,7 @@ async def generate(router: Router, scope: dict, receive: Receive, send: Send, di
         payload = parse(body)
         deployment = deployment_for(router.snapshot, payload, key)
         priority = priority_for(scope, key)
+        session = session_key(scope, payload, key.tenant_id)
         payload = engine_fields(payload, path, key)
         prompt_ids = token_ids(payload.get("prompt"))  # a prompt of token ids, converted once
         input_bound, output_bound = validate(
@@ -136,12 +138,12 @@ async def generate(router: Router, scope: dict, receive: Receive, send: Send, di
 
     # Only an admitted request is tokenized (a refused one costs the router no tokenizer time).
     try:
-        ctx = await _context(router, deployment, payload, prompt_ids, scope)
+        ctx = await _context(router, deployment, payload, prompt_ids, path, session)
     except Exception as exc:
         # Never lose an admitted request to a fault in prefix scoring: it is routed on load alone.
         log.exception("prefix scoring failed for request %s", request_id)
         router.prefix.render_failed(deployment, "error", repr(exc))
-        ctx = RequestContext(model=deployment.served_model_name, session_id=header(scope, b"x-session-id"))
+        ctx = RequestContext(model=deployment.served_model_name, session_id=session)
     except BaseException:
         router.admission.release(decision.reservation)  # its slot lease runs out instead of being renewed
         raise
@@ -180,17 +182,22 @@ async def generate(router: Router, scope: dict, receive: Receive, send: Send, di
 
 
 async def _context(
-    router: Router, deployment: DeploymentInfo, payload: dict, prompt_ids: array | None, scope: dict
+    router: Router,
+    deployment: DeploymentInfo,
+    payload: dict,
+    prompt_ids: array | None,
+    path: str,
+    session: str | None,
 ) -> RequestContext:
-    """The prompt's tokens and where they are cached. Tokenizing waits in a bounded queue for a bounded
-    time: past either bound the request is routed on load alone (counted as a render failure)."""
-    session = header(scope, b"x-session-id")
+    """The prompt's tokens and where they are cached, and its session (routing/sessions.py). Tokenizing waits in
+    a bounded queue for a bounded time: past either bound the request is routed on load alone (counted as a
+    render failure)."""
     if prompt_ids is None and needs_prompt(deployment):
         if router.tokenizing >= router.tokenize_queue:
             router.prefix.render_failed(deployment, "queue_full", "the tokenizing queue is full")
             return RequestContext(model=deployment.served_model_name, session_id=session)
         router.tokenizing += 1
-        work = asyncio.ensure_future(router.prefix.context(deployment, payload, None, scope["path"], session))
+        work = asyncio.ensure_future(router.prefix.context(deployment, payload, None, path, session))
         try:
             return await asyncio.wait_for(asyncio.shield(work), router.tokenize_wait)
         except TimeoutError:
@@ -199,4 +206,4 @@ async def _context(
             return RequestContext(model=deployment.served_model_name, session_id=session)
         finally:
             router.tokenizing -= 1
-    return await router.prefix.context(deployment, payload, prompt_ids, scope["path"], session)
+    return await router.prefix.context(deployment, payload, prompt_ids, path, session)

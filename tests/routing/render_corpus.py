@@ -595,4 +595,367 @@ EDGE_CASES = [
     ),
 ]
 
-CASES = OPENAI_CASES + ANTHROPIC_CASES + RESPONSES_CASES + EDGE_CASES
+# --- What the coding-agent CLIs themselves send (docs/agent-traffic shapes; literal captures to follow) -----
+
+CODEX_INSTRUCTIONS = (
+    "You are Codex, a coding agent based on GPT-5. You and the user share the same workspace. " * 3
+)
+CODEX_PERMISSIONS = (
+    "<permissions instructions>Filesystem sandboxing: workspace-write. Approval policy: never. Network: "
+    "restricted.</permissions instructions>"
+)
+CODEX_ENVIRONMENT = (
+    "<environment_context>\n  <cwd>/tmp/work</cwd>\n  <shell>bash</shell>\n</environment_context>"
+)
+CODEX_TOOLS = [
+    {
+        "type": "function",
+        "name": "exec_command",
+        "description": "Runs a command in a PTY, returning output or a session ID for ongoing interaction.",
+        "strict": False,
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "cmd": {"type": "string", "description": "Shell command to execute."},
+                "workdir": {"type": "string"},
+                "yield_time_ms": {"type": "number"},
+            },
+            "required": ["cmd"],
+            "additionalProperties": False,
+        },
+    },
+    {
+        "type": "function",
+        "name": "update_plan",
+        "description": "Updates the task plan.",
+        "strict": False,
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "explanation": {"type": "string"},
+                "plan": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "properties": {"step": {"type": "string"}, "status": {"type": "string"}},
+                        "required": ["step", "status"],
+                        "additionalProperties": False,
+                    },
+                },
+            },
+            "required": ["plan"],
+            "additionalProperties": False,
+        },
+    },
+    {
+        "type": "custom",
+        "name": "apply_patch",
+        "description": "Use the `apply_patch` tool to edit files. This is a FREEFORM tool.",
+        "format": {"type": "text"},
+    },
+    {
+        "type": "namespace",
+        "name": "mcp__docs",
+        "description": "Tools of the `docs` MCP server.",
+        "tools": [
+            {
+                "type": "function",
+                "name": "search",
+                "description": "Search the documentation.",
+                "strict": False,
+                "defer_loading": True,
+                "parameters": {
+                    "type": "object",
+                    "properties": {"query": {"type": "string"}},
+                    "required": ["query"],
+                },
+            },
+            {"type": "function", "name": "fetch", "parameters": {"type": "object", "properties": {}}},
+            {"type": "custom", "name": "raw", "description": "Not shown: custom tools in a namespace."},
+        ],
+    },
+    {"type": "web_search", "external_web_access": False},
+]
+CODEX_FIELDS = {
+    "instructions": CODEX_INSTRUCTIONS,
+    "tools": CODEX_TOOLS,
+    "tool_choice": "auto",
+    "parallel_tool_calls": True,
+    "reasoning": {"summary": "auto"},
+    "store": False,
+    "stream": True,
+    "include": ["reasoning.encrypted_content"],
+    "prompt_cache_key": "019a5e1c-7d1e-7c03-9f6b-3b0f3e0c2a11",
+    "client_metadata": {"x-codex-installation-id": "5c1d"},
+}
+CODEX_FIRST_INPUT = [
+    {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": CODEX_PERMISSIONS}]},
+    {"type": "message", "role": "user", "content": [{"type": "input_text", "text": CODEX_ENVIRONMENT}]},
+    {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Fix the failing test."}]},
+]
+CODEX_LATER_INPUT = [
+    *CODEX_FIRST_INPUT,
+    {
+        "type": "reasoning",
+        "summary": [{"type": "summary_text", "text": "**Running the tests**"}],
+        "content": [{"type": "reasoning_text", "text": "I should run pytest to see what fails."}],
+        "encrypted_content": None,
+    },
+    {
+        "type": "function_call",
+        "name": "exec_command",
+        "arguments": '{"cmd":"pytest -q","workdir":"/tmp/work"}',
+        "call_id": "call_A1",
+    },
+    {
+        "type": "function_call",
+        "namespace": "mcp__docs",
+        "name": "search",
+        "arguments": '{"query":"csv split"}',
+        "call_id": "call_A2",
+    },
+    {"type": "function_call_output", "call_id": "call_A1", "output": "1 failed, 3 passed"},
+    {"type": "function_call_output", "call_id": "call_A2", "output": "str.rsplit splits from the right."},
+    {"type": "reasoning", "summary": [], "encrypted_content": None},
+    {
+        "type": "custom_tool_call",
+        "call_id": "call_A3",
+        "name": "apply_patch",
+        "input": '*** Begin Patch\n*** Update File: a.py\n-x = "é"\n+x = 2\n*** End Patch\n',
+    },
+    {"type": "custom_tool_call_output", "call_id": "call_A3", "output": "Success. Updated: a.py"},
+    {
+        "type": "message",
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": "Fixed: the test passes now."}],
+    },
+    {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Commit it."}]},
+]
+
+CLAUDE_CODE_SYSTEM = [
+    text("x-anthropic-billing-header: cc_version=2.1.328.e3f; cc_entrypoint=sdk-cli; cch=1f2e3;"),
+    text("You are Claude Code, Anthropic's official CLI for Claude.", cache_control={"type": "ephemeral"}),
+    text(SYSTEM, cache_control={"type": "ephemeral"}),
+]
+CLAUDE_CODE_TOOLS = [
+    {
+        "name": "Bash",
+        "description": "Executes a given bash command.",
+        "input_schema": {
+            "$schema": "https://json-schema.org/draft/2020-12/schema",
+            "type": "object",
+            "properties": {
+                "command": {"type": "string", "description": "The command to execute"},
+                "timeout": {"type": "number"},
+                "run_in_background": {"type": "boolean"},
+            },
+            "required": ["command"],
+            "additionalProperties": False,
+        },
+    },
+    {
+        "name": "Read",
+        "description": "Reads a file from the local filesystem.",
+        "input_schema": {
+            "$schema": "https://json-schema.org/draft/2020-12/schema",
+            "type": "object",
+            "properties": {"file_path": {"type": "string"}, "offset": {"type": "number"}},
+            "required": ["file_path"],
+            "additionalProperties": False,
+        },
+    },
+    {
+        "name": "TodoWrite",
+        "description": "Update the todo list for the current session.",
+        "input_schema": {"properties": {"todos": {"type": "array", "items": {"type": "object"}}}},
+        "cache_control": {"type": "ephemeral"},
+    },
+]
+CLAUDE_CODE_FIELDS = {
+    # Claude Code asks for 32000; the test engine's context is 4096 tokens, and the prompt does not depend on it.
+    "max_tokens": 1024,
+    "stream": True,
+    "system": CLAUDE_CODE_SYSTEM,
+    "tools": CLAUDE_CODE_TOOLS,
+    "thinking": {"type": "adaptive", "display": "omitted"},
+    "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+    "output_config": {"effort": "medium"},
+    "metadata": {"user_id": '{"device_id":"d0","account_uuid":"","session_id":"5f0c1e2a-0b7e-4b39"}'},
+}
+
+AGENT_CASES = [
+    RenderCase(
+        "Codex first request: developer and user messages, functions, a namespace, custom and hosted tools",
+        RESPONSES,
+        {**CODEX_FIELDS, "input": CODEX_FIRST_INPUT},
+    ),
+    RenderCase(
+        "Codex later request: reasoning, namespaced and custom tool calls and their outputs",
+        RESPONSES,
+        {**CODEX_FIELDS, "input": CODEX_LATER_INPUT},
+    ),
+    RenderCase(
+        "Codex with only hosted tools and a developer message last",
+        RESPONSES,
+        {
+            **CODEX_FIELDS,
+            "tools": [{"type": "web_search"}],
+            "input": [*CODEX_FIRST_INPUT[1:], CODEX_FIRST_INPUT[0]],
+        },
+    ),
+    RenderCase(
+        "Claude Code first request: adaptive thinking, context_management, output_config, cached system",
+        MESSAGES,
+        {
+            **CLAUDE_CODE_FIELDS,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        text("<system-reminder>As you answer, use the todo list.</system-reminder>"),
+                        text("Fix the failing test.", cache_control={"type": "ephemeral"}),
+                    ],
+                }
+            ],
+        },
+    ),
+    RenderCase(
+        "Claude Code later request: thinking blocks, tool_use and tool_result, an error result",
+        MESSAGES,
+        {
+            **CLAUDE_CODE_FIELDS,
+            "messages": [
+                {"role": "user", "content": [text("Fix the failing test.")]},
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "thinking", "thinking": "", "signature": "EqQBCkYIBxgCKkA=="},
+                        text("I'll run the tests."),
+                        {
+                            "type": "tool_use",
+                            "id": "toolu_1",
+                            "name": "Bash",
+                            "input": {"command": "pytest -q"},
+                        },
+                    ],
+                },
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "tool_result",
+                            "tool_use_id": "toolu_1",
+                            "content": "Exit code 1\n1 failed",
+                            "is_error": True,
+                        }
+                    ],
+                },
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "thinking", "thinking": "Read the file.", "signature": "sig"},
+                        {"type": "redacted_thinking", "data": "opaque=="},
+                        {
+                            "type": "tool_use",
+                            "id": "toolu_2",
+                            "name": "Read",
+                            "input": {"file_path": "/a.py"},
+                        },
+                        {
+                            "type": "tool_use",
+                            "id": "toolu_3",
+                            "name": "Read",
+                            "input": {"file_path": "/b.py"},
+                        },
+                    ],
+                },
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "tool_result", "tool_use_id": "toolu_2", "content": [text(FILE)]},
+                        {
+                            "type": "tool_result",
+                            "tool_use_id": "toolu_3",
+                            "content": [text("x = 1"), text("y = 2", cache_control={"type": "ephemeral"})],
+                        },
+                    ],
+                },
+            ],
+        },
+    ),
+]
+
+AGENT_EDGE_CASES = [
+    RenderCase(
+        "Claude Code tool search: a deferred tool named in a tool result, tools changed by a system message",
+        MESSAGES,
+        {
+            **CLAUDE_CODE_FIELDS,
+            "tools": [
+                *CLAUDE_CODE_TOOLS,
+                {"name": "ToolSearch", "input_schema": {"type": "object", "properties": {"query": {}}}},
+                {"name": "Grep", "input_schema": {"type": "object"}, "defer_loading": True},
+            ],
+            "messages": [
+                {"role": "user", "content": "Find the grep tool."},
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "tool_use", "id": "t1", "name": "ToolSearch", "input": {"query": "grep"}}
+                    ],
+                },
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "tool_result",
+                            "tool_use_id": "t1",
+                            "content": [
+                                text("Found 1 tool."),
+                                {"type": "tool_reference", "tool_name": "Grep"},
+                            ],
+                        }
+                    ],
+                },
+                {
+                    "role": "system",
+                    "content": [
+                        {"type": "tool_addition", "tool": {"type": "tool_reference", "name": "Grep"}},
+                        {"type": "tool_removal", "tool": {"type": "tool_reference", "name": "TodoWrite"}},
+                    ],
+                },
+                {"role": "assistant", "content": "Grep is loaded."},
+                {"role": "user", "content": "Use it."},
+            ],
+        },
+    ),
+    RenderCase(
+        "Responses: empty text parts, reasoning with an empty encrypted_content, a custom tool call first",
+        RESPONSES,
+        {
+            "tools": [CODEX_TOOLS[2]],
+            "reasoning": {"effort": "low", "summary": "auto"},
+            "chat_template_kwargs": {"enable_thinking": False, "reasoning_effort": "high"},
+            "input": [
+                {
+                    "type": "message",
+                    "role": "user",
+                    "content": [
+                        {"type": "input_text", "text": "a"},
+                        {"type": "input_text", "text": ""},
+                        {"type": "input_text", "text": "b"},
+                    ],
+                },
+                {"type": "custom_tool_call", "call_id": "p1", "name": "apply_patch", "input": "x"},
+                {"type": "custom_tool_call_output", "call_id": "p1", "output": "ok"},
+                {
+                    "type": "reasoning",
+                    "summary": [{"type": "summary_text", "text": "done"}],
+                    "encrypted_content": "",
+                },
+            ],
+        },
+    ),
+]
+
+CASES = OPENAI_CASES + ANTHROPIC_CASES + RESPONSES_CASES + EDGE_CASES + AGENT_CASES + AGENT_EDGE_CASES

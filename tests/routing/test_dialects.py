@@ -1,12 +1,26 @@
 """The stream relay's fast path: the leading run of ordinary events is passed on whole (less the running usage
-the router asked for), and what it counts and keeps matches looking at every event one by one."""
+the router asked for), and what it counts and keeps matches looking at every event one by one. Then how each
+dialect's request becomes a chat template's inputs, as vLLM 0.32 converts it (tests/routing/test_render_parity.py
+checks the rendered token ids against vLLM itself)."""
 
 from __future__ import annotations
 
 import orjson
 import pytest
 
-from routing.dialects import ANTHROPIC, OPENAI, RESPONSES
+from routing.dialects import (
+    ANTHROPIC,
+    OPENAI,
+    RESPONSES,
+    RenderError,
+    TemplateTraits,
+    anthropic_chat_request,
+    chat_inputs,
+    custom_tool_parameters,
+    responses_chat_request,
+    responses_function_tools,
+    responses_tool_names,
+)
 
 
 def event(data: dict | str) -> bytes:
@@ -186,3 +200,242 @@ def test_responses_events_before_the_completed_response_pass_whole_counted_as_on
     )
     # A text that reads like the marker only makes the relay look at the rest one by one.
     assert RESPONSES.plain_prefix(text[0] + text[1] + completed) == len(text[0])
+
+
+# --- Request conversion: what the agents send, as vLLM 0.32 converts it ------------------------------------
+
+CODEX_TOOLS = [
+    {"type": "function", "name": "exec_command", "parameters": {"type": "object"}, "strict": False},
+    {
+        "type": "namespace",
+        "name": "mcp__docs",
+        "description": "Tools of the docs server.",
+        "tools": [
+            {"type": "function", "name": "search", "description": "Search.", "defer_loading": True},
+            {"type": "custom", "name": "raw"},
+        ],
+    },
+    {"type": "custom", "name": "apply_patch", "description": "Edit files.", "format": {"type": "text"}},
+    {"type": "web_search", "external_web_access": False},
+    {"type": "file_search", "vector_store_ids": ["vs_1"]},
+]
+
+
+def test_namespace_functions_are_shown_by_flat_names_and_hosted_tools_not_at_all():
+    tools = responses_function_tools(CODEX_TOOLS)
+    assert [tool["function"]["name"] for tool in tools] == [
+        "exec_command",
+        "mcp__docs__search",
+        "apply_patch",
+    ]
+    assert tools[1]["function"] == {
+        "name": "mcp__docs__search",
+        "description": "Search.",
+        "parameters": None,
+        "defer_loading": True,
+    }
+    # A custom tool is a function of one string; the namespace's own description is not shown.
+    assert tools[2]["function"]["parameters"] == custom_tool_parameters()
+    assert "Tools of the docs server." not in orjson.dumps(tools).decode()
+
+
+def test_a_request_with_only_hosted_tools_shows_an_empty_list_of_tools():
+    request = responses_chat_request({"input": "hi", "tools": [{"type": "web_search"}]})
+    assert request["tools"] == []
+    assert "tools" not in responses_chat_request({"input": "hi", "tools": []})
+
+
+def test_namespaced_and_custom_tool_calls_join_the_assistant_turn_of_their_reasoning():
+    request = responses_chat_request(
+        {
+            "input": [
+                {"role": "user", "content": "go"},
+                {"type": "reasoning", "summary": [], "encrypted_content": None},
+                {
+                    "type": "function_call",
+                    "namespace": "mcp__docs",
+                    "name": "search",
+                    "arguments": "{}",
+                    "call_id": "a",
+                },
+                {
+                    "type": "custom_tool_call",
+                    "name": "apply_patch",
+                    "input": "*** Begin Patch é",
+                    "call_id": "b",
+                },
+                {"type": "function_call_output", "call_id": "a", "output": "found"},
+                {"type": "custom_tool_call_output", "call_id": "b", "output": "done"},
+            ]
+        }
+    )
+    user, assistant, *results = request["messages"]
+    assert assistant["reasoning"] == ""
+    assert [call["function"]["name"] for call in assistant["tool_calls"]] == [
+        "mcp__docs__search",
+        "apply_patch",
+    ]
+    assert assistant["tool_calls"][1]["function"]["arguments"] == '{"input": "*** Begin Patch é"}'
+    assert results == [
+        {"role": "tool", "content": "found", "tool_call_id": "a"},
+        {"role": "tool", "content": "done", "tool_call_id": "b"},
+    ]
+
+
+def test_the_flat_names_lead_back_to_name_and_namespace():
+    assert responses_tool_names(CODEX_TOOLS) == {"mcp__docs__search": ("search", "mcp__docs")}
+    assert responses_tool_names(None) == {}
+
+
+@pytest.mark.parametrize(
+    "reasoning, text",
+    [
+        ({"summary": [{"type": "summary_text", "text": "s"}], "encrypted_content": None}, "s"),
+        ({"summary": [{"type": "summary_text", "text": "s"}], "encrypted_content": ""}, "s"),
+        (
+            {
+                "summary": [{"type": "summary_text", "text": "s"}],
+                "content": [{"type": "reasoning_text", "text": "c"}],
+            },
+            "c",
+        ),
+        ({"summary": []}, ""),
+    ],
+)
+def test_reasoning_items_without_encrypted_content_render_their_content_else_their_summary(reasoning, text):
+    request = responses_chat_request(
+        {"input": [{"role": "user", "content": "hi"}, {"type": "reasoning", **reasoning}]}
+    )
+    assert request["messages"][-1] == {"role": "assistant", "reasoning": text}
+
+
+@pytest.mark.parametrize(
+    "payload, reason, param",
+    [
+        # vLLM answers 400 to both; the router's refusal says the same thing.
+        (
+            {"input": [{"type": "reasoning", "summary": [], "encrypted_content": "gAAAA"}]},
+            "encrypted_reasoning",
+            "input",
+        ),
+        (
+            {
+                "input": "x",
+                "tools": [{"type": "custom", "name": "p", "format": {"type": "grammar", "syntax": "lark"}}],
+            },
+            "custom_tool_grammar",
+            "tools",
+        ),
+    ],
+)
+def test_what_the_engine_refuses_is_refused_with_its_reason(payload, reason, param):
+    with pytest.raises(RenderError) as caught:
+        responses_chat_request(payload)
+    assert (caught.value.reason, caught.value.param) == (reason, param)
+
+
+def test_the_engines_own_template_variables_override_the_requests_in_the_responses_api():
+    request = responses_chat_request(
+        {
+            "input": [{"type": "message", "role": "user", "content": "a", "status": "in_progress"}],
+            "reasoning": {"effort": "low"},
+            "chat_template_kwargs": {"reasoning_effort": "high", "add_generation_prompt": True, "x": 1},
+        }
+    )
+    inputs = chat_inputs(request)
+    assert inputs.kwargs == {
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+        "reasoning_effort": "low",
+        "enable_thinking": True,
+        "x": 1,
+    }
+
+
+def test_anthropic_tool_changes_in_system_messages_leave_the_tools_in_effect_at_the_end():
+    request = anthropic_chat_request(
+        {
+            "tools": [
+                {"name": "a", "input_schema": {"type": "object"}, "defer_loading": True},
+                {"name": "b", "input_schema": {"properties": {}}},
+            ],
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {
+                    "role": "system",
+                    "content": [
+                        {"type": "tool_addition", "tool": {"type": "tool_reference", "name": "a"}},
+                        {"type": "tool_removal", "tool": {"type": "tool_reference", "name": "b"}},
+                        {
+                            "type": "tool_addition",
+                            "tool": {
+                                "type": "tool_definition",
+                                "definition": {"name": "c", "input_schema": {}},
+                            },
+                        },
+                    ],
+                },
+            ],
+        }
+    )
+    assert [tool["function"] for tool in request["tools"]] == [
+        {"name": "a", "description": None, "parameters": {"type": "object"}},  # no longer deferred
+        {"name": "c", "description": None, "parameters": {"type": "object"}},  # a schema's default type
+    ]
+    with pytest.raises(RenderError):
+        anthropic_chat_request(
+            {
+                "messages": [
+                    {
+                        "role": "system",
+                        "content": [
+                            {"type": "tool_removal", "tool": {"type": "tool_reference", "name": "z"}}
+                        ],
+                    }
+                ]
+            }
+        )
+
+
+def test_a_tool_result_naming_deferred_tools_adds_a_tool_message_of_references():
+    request = anthropic_chat_request(
+        {
+            "messages": [
+                {"role": "user", "content": "find"},
+                {
+                    "role": "assistant",
+                    "content": [{"type": "tool_use", "id": "t", "name": "ToolSearch", "input": {}}],
+                },
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "tool_result",
+                            "tool_use_id": "t",
+                            "content": [
+                                {"type": "text", "text": "found"},
+                                {"type": "tool_reference", "tool_name": "Grep"},
+                            ],
+                        }
+                    ],
+                },
+            ]
+        }
+    )
+    assert request["messages"][-2:] == [
+        {"role": "tool", "tool_call_id": "t", "content": "found"},
+        {"role": "tool", "tool_call_id": "t", "content": [{"type": "tool_reference", "name": "Grep"}]},
+    ]
+    # A template that takes content as a string sees the names; one that loops over parts, the parts.
+    assert chat_inputs(request).messages[-1]["content"] == "Grep"
+    parts = chat_inputs(request, TemplateTraits(content_format="openai")).messages[-1]["content"]
+    assert parts == [{"type": "tool_reference", "name": "Grep"}]
+
+
+def test_empty_text_parts_are_dropped_before_the_rest_are_joined():
+    request = {
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": ""}, "b"]}
+        ]
+    }
+    assert chat_inputs(request).messages[0]["content"] == "a\nb"

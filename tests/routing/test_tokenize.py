@@ -126,3 +126,22 @@ def test_a_text_sharing_a_recent_ones_start_tokenises_as_if_alone(tokenizer):
         text = base[:cut] + "".join(rng.choice(words) for _ in range(rng.randrange(1, 30)))
         texts.append(text)
         assert list(tokenizer.encode_text(text)) == plain.encode(text, add_special_tokens=False).ids
+
+
+def test_an_agent_sessions_turns_render_as_each_would_alone():
+    """Codex and Claude Code sessions, turn after turn through one tokenizer (which reuses what earlier turns
+    converted and rendered), give the prompt a fresh tokenizer gives each turn alone; namespaced tools and
+    calls appear by their flat names."""
+    from .render_corpus import AGENT_CASES
+
+    session = RouterTokenizer(MODEL_DIR)
+    for case in AGENT_CASES:
+        alone = RouterTokenizer(MODEL_DIR).render_request(case.payload, case.path)
+        assert session.render_request(case.payload, case.path) == alone, case.name
+        assert list(session.encode_request(case.payload, case.path)) == list(
+            RouterTokenizer(MODEL_DIR).encode_text(alone)
+        )
+    codex = AGENT_CASES[1]
+    text = session.render_request(codex.payload, codex.path)
+    assert '"name": "mcp__docs__search"' in text and "web_search" not in text
+    assert text.count('<tool_call>\n{"name": "mcp__docs__search"') == 1

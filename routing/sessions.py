@@ -1,0 +1,60 @@
+"""Which session a request belongs to, for session affinity (routing/affinity.py's SessionMap, the `session`
+scorer): the id the client names, or the one its agent sends of its own accord.
+
+In order of precedence:
+1. `x-session-id`, the header this gateway documents;
+2. Claude Code's `X-Claude-Code-Session-Id` header, then the `session_id` in its `metadata.user_id` (a JSON
+   string: {"device_id": ..., "account_uuid": ..., "session_id": ...});
+3. Codex's `prompt_cache_key` (its session id, in the Responses body; OpenAI's chat completions take it too),
+   then its `x-codex-window-id` header.
+
+The id is hashed with the tenant's id, so two tenants naming the same session never share a mapping, and every key
+the router keeps has the same bounded length whatever the client sent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import orjson
+
+from .wire import header
+
+MAX_USER_ID = 4096  # characters of `metadata.user_id` worth parsing for a session id
+
+SESSION_HEADERS = (b"x-session-id", b"x-claude-code-session-id")
+
+
+def session_key(scope: dict, payload: dict, tenant_id: int) -> str | None:
+    """The request's session, hashed and scoped to the tenant, or None when it names none."""
+    named = _named_session(scope, payload)
+    if not named:
+        return None
+    return hashlib.blake2b(f"{tenant_id}\0{named}".encode(), digest_size=16).hexdigest()
+
+
+def _named_session(scope: dict, payload: dict) -> str | None:
+    for name in SESSION_HEADERS:
+        value = header(scope, name)
+        if value:
+            return value
+    named = _claude_code_session(payload.get("metadata"))
+    if named:
+        return named
+    key = payload.get("prompt_cache_key")
+    if isinstance(key, str) and key:
+        return key
+    return header(scope, b"x-codex-window-id") or None
+
+
+def _claude_code_session(metadata) -> str | None:
+    """The `session_id` inside Claude Code's `metadata.user_id`, when it is the JSON string Claude Code sends."""
+    user_id = metadata.get("user_id") if isinstance(metadata, dict) else None
+    if not isinstance(user_id, str) or not user_id.startswith("{") or len(user_id) > MAX_USER_ID:
+        return None
+    try:
+        fields = orjson.loads(user_id)
+    except orjson.JSONDecodeError:
+        return None
+    session = fields.get("session_id") if isinstance(fields, dict) else None
+    return session if isinstance(session, str) and session else None
