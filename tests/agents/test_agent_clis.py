@@ -1,0 +1,348 @@
+"""The coding agents themselves, unchanged: the pinned Claude Code and Codex CLIs (tests/agents/package.json, which
+`make agents` installs from npm) run non-interactively against the router in front of the demo deployment's
+engines, on the simulator and on real vLLM-CPU.
+
+Each runs a task of two user turns (the second resumes the first session) in a throwaway HOME and work folder,
+with every proxy variable pointing at a closed port, so the router is the only thing it can reach. Checked:
+every request the router saw was answered 2xx, the CLI exits 0, the ledger has one usage record per request whose
+tokens add up to the engine's own counters, the router's predicted cached tokens are within 2 % of what the
+engine reported, and no request was a render failure. On the simulator (which answers a user turn with a call of
+the first tool until the conversation holds two calls, and a tool result with text, as the platform starts it:
+settings.SIMULATOR_*) the tool calls are executed by the CLI too; vLLM's random weights call no tool.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from serving.engine_command import simulated_model_args
+from serving.models import ModelDeployment
+from tenants.models import UsageRecord
+from tenants.usage_stream import usage_ingest_until_empty
+
+from ..routing.conftest import Fleet
+from ..routing.test_precise_routing import ingester_process, precise_fleet  # noqa: F401 (a fixture)
+from ..serving.engines import MODEL_NAME, RunningEngine, start_engine
+
+pytestmark = pytest.mark.agents
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = ROOT / "tests" / "agents" / "node_modules" / ".bin"
+# The demo deployment's context (serving/management/commands/bootstrap_demo.py): a whole agent session fits.
+DEMO_MAX_MODEL_LEN = 131072
+CLAUDE_TOOLS = "Agent Bash Read Glob Grep LS"
+
+
+def agent_env(home: Path, **extra: str) -> dict[str, str]:
+    """A bare environment: a fresh HOME, and proxies that lead nowhere for anything but the local router."""
+    closed = "http://127.0.0.1:9"
+    return {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "HOME": str(home),
+        "TERM": "dumb",
+        "LANG": "C.UTF-8",
+        "HTTP_PROXY": closed,
+        "HTTPS_PROXY": closed,
+        "ALL_PROXY": closed,
+        "http_proxy": closed,
+        "https_proxy": closed,
+        "NO_PROXY": "127.0.0.1,localhost",
+        "no_proxy": "127.0.0.1,localhost",
+        **extra,
+    }
+
+
+@dataclass
+class AgentRun:
+    returncode: int
+    events: list[dict]
+    stderr: str
+
+    def of_type(self, kind: str) -> list[dict]:
+        return [event for event in self.events if event.get("type") == kind]
+
+
+def run_cli(argv: list[str], env: dict[str, str], cwd: Path, timeout: float = 600) -> AgentRun:
+    done = subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    events = []
+    for line in done.stdout.splitlines():
+        line = line.strip()
+        if line.startswith("{"):
+            events.append(json.loads(line))
+    return AgentRun(done.returncode, events, done.stderr[-4000:] + done.stdout[-4000:])
+
+
+# --- the two CLIs -------------------------------------------------------------------------------------------
+def claude(fleet: Fleet, home: Path, work: Path, prompt: str, *, resume: bool = False) -> AgentRun:
+    env = agent_env(
+        home,
+        ANTHROPIC_BASE_URL=fleet.router.url,
+        ANTHROPIC_API_KEY=fleet.key.secret,
+        ANTHROPIC_MODEL=MODEL_NAME,
+        ANTHROPIC_SMALL_FAST_MODEL=MODEL_NAME,
+        ANTHROPIC_DEFAULT_HAIKU_MODEL=MODEL_NAME,
+        ANTHROPIC_DEFAULT_SONNET_MODEL=MODEL_NAME,
+        ANTHROPIC_DEFAULT_OPUS_MODEL=MODEL_NAME,
+        CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
+        CLAUDE_CODE_MAX_OUTPUT_TOKENS="2048",
+    )
+    argv = [str(BIN / "claude"), "-p", prompt, "--output-format", "stream-json", "--verbose"]
+    argv += ["--max-turns", "8", "--allowedTools", CLAUDE_TOOLS]
+    if resume:
+        argv.append("--continue")
+    return run_cli(argv, env, work)
+
+
+def claude_tool_calls(run: AgentRun) -> tuple[list[dict], list[dict]]:
+    """The tool_use blocks the model sent and the tool_result blocks the CLI answered them with."""
+    uses = [
+        block
+        for event in run.of_type("assistant")
+        for block in event["message"]["content"]
+        if block.get("type") == "tool_use"
+    ]
+    results = [
+        block
+        for event in run.of_type("user")
+        for block in (event["message"]["content"] if isinstance(event["message"]["content"], list) else [])
+        if block.get("type") == "tool_result"
+    ]
+    return uses, results
+
+
+def codex(fleet: Fleet, home: Path, work: Path, prompt: str, *, resume: bool = False) -> AgentRun:
+    config = home / ".codex" / "config.toml"
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text(
+        f'model = "{MODEL_NAME}"\n'
+        'model_provider = "platform"\n'
+        "[model_providers.platform]\n"
+        'name = "platform"\n'
+        f'base_url = "{fleet.router.url}/v1"\n'
+        'env_key = "PLATFORM_API_KEY"\n'
+        'wire_api = "responses"\n'
+        "request_max_retries = 0\n"
+        "stream_max_retries = 0\n"
+    )
+    env = agent_env(home, PLATFORM_API_KEY=fleet.key.secret)
+    argv = [str(BIN / "codex"), "exec"]
+    if resume:
+        argv += ["resume", "--last"]
+    # No sandbox: the work folder is thrown away, and a container may not allow bubblewrap's namespaces.
+    argv += ["--json", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox", prompt]
+    return run_cli(argv, env, work)
+
+
+def codex_tool_calls(run: AgentRun) -> list[dict]:
+    return [
+        event["item"]
+        for event in run.of_type("item.completed")
+        if event["item"].get("type") in ("command_execution", "function_call", "mcp_tool_call")
+    ]
+
+
+# --- what the router, the engine and the ledger saw ------------------------------------------------------------
+def router_counts(fleet: Fleet) -> dict[str, float]:
+    counts = {"2xx": 0.0, "render_failures": 0.0, "predicted": 0.0, "reported": 0.0}
+    for line in httpx.get(f"{fleet.router.url}/metrics", timeout=10).text.splitlines():
+        value = line.rpartition(" ")[2]
+        if line.startswith("router_requests_total{"):
+            status = line.partition('status="')[2][:3]
+            name = "2xx" if status.startswith("2") else f"status {status}"
+            counts[name] = counts.get(name, 0.0) + float(value)
+        elif line.startswith("router_prefix_render_failures_total{"):
+            counts["render_failures"] += float(value)
+        elif line.startswith("router_prefix_predicted_cached_tokens_total{"):
+            counts["predicted"] += float(value)
+        elif line.startswith("router_prefix_reported_cached_tokens_total{"):
+            counts["reported"] += float(value)
+    return counts
+
+
+ENGINE_COUNTERS = {
+    "prompt": "vllm:prompt_tokens_total",
+    "output": "vllm:generation_tokens_total",
+    "cached": "vllm:prefix_cache_hits_total",
+}
+
+
+def engine_counts(engine: RunningEngine) -> dict[str, float]:
+    metrics = engine.metrics()
+    return {name: metrics.get(metric, 0.0) for name, metric in ENGINE_COUNTERS.items()}
+
+
+def settled(fleet: Fleet, before: dict[str, float]) -> dict[str, float]:
+    """The router's counts once every request it took has been settled (a stream's usage is counted after its
+    end reached the client)."""
+    deadline = time.monotonic() + 30
+    previous = None
+    while time.monotonic() < deadline:
+        now = router_counts(fleet)
+        if now == previous:
+            break
+        previous = now
+        time.sleep(1.0)
+    return {name: now[name] - before.get(name, 0.0) for name in now}
+
+
+def check_ledger(fleet: Fleet, engine: RunningEngine, router: dict, engine_before: dict) -> list[UsageRecord]:
+    usage_ingest_until_empty(consumer="agents-test")
+    records = list(UsageRecord.objects.filter(api_key=fleet.key.api_key).order_by("created_at"))
+    refused = {name: value for name, value in router.items() if name.startswith("status") and value}
+    assert not refused, (refused, fleet.router.log()[-3000:])
+    assert len(records) == router["2xx"] > 0, (len(records), router)
+    assert len({record.request_id for record in records}) == len(records)
+    assert all(record.status == "completed" for record in records), [r.status for r in records]
+    engine_delta = {name: value - engine_before[name] for name, value in engine_counts(engine).items()}
+    assert sum(r.prompt_tokens for r in records) == engine_delta["prompt"], engine_delta
+    assert sum(r.output_tokens for r in records) == engine_delta["output"], engine_delta
+    assert sum(r.cached_prompt_tokens for r in records) == engine_delta["cached"], engine_delta
+    assert router["render_failures"] == 0, router
+    # The router predicted the cached tokens the engine then reported, within 2 %.
+    assert router["reported"] > 0, router
+    assert abs(router["predicted"] - router["reported"]) <= 0.02 * router["reported"], router
+    return records
+
+
+def demo_fleet(engine: RunningEngine) -> Fleet:
+    """The demo deployment's shape (its context, tool calling, precise prefix routing on the engines' KV
+    events) behind a router of its own."""
+    fleet = precise_fleet([engine])
+    ModelDeployment.objects.filter(pk=fleet.deployment.pk).update(max_model_len=DEMO_MAX_MODEL_LEN)
+    fleet.sync()
+    return fleet
+
+
+@pytest.fixture(scope="module")
+def demo_sim() -> RunningEngine:
+    # The simulated model the platform starts (its answer length and tool calls per conversation).
+    engine = start_engine(
+        "sim", "--max-model-len", str(DEMO_MAX_MODEL_LEN), "--decode-time", "0.001", *simulated_model_args()
+    )
+    yield engine
+    engine.stop()
+
+
+@pytest.fixture(scope="module")
+def demo_vllm() -> RunningEngine:
+    # The tiny model's random weights never write the end-of-sequence token: the server-wide cap keeps a turn
+    # short for Codex, which sends no output limit (Claude Code's is CLAUDE_CODE_MAX_OUTPUT_TOKENS).
+    engine = start_engine(
+        "vllm",
+        "--max-model-len",
+        str(DEMO_MAX_MODEL_LEN),
+        "--override-generation-config",
+        json.dumps({"max_new_tokens": 32}),
+    )
+    yield engine
+    engine.stop()
+
+
+@pytest.fixture
+def workspace(tmp_path: Path) -> tuple[Path, Path]:
+    if not (BIN / "claude").exists() or not (BIN / "codex").exists():
+        pytest.fail(f"the agents' CLIs are not installed in {BIN.parent}: run `make agents` (make test does)")
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    (work / "README.md").write_text("# demo\n\nA folder for the agent to look at.\n")
+    (work / "main.py").write_text("def main():\n    return 42\n")
+    return home, work
+
+
+# --- the simulator ------------------------------------------------------------------------------------------
+def test_claude_code_runs_a_session_with_tool_calls_on_the_simulator(ingester_process, demo_sim, workspace):  # noqa: F811
+    home, work = workspace
+    fleet = demo_fleet(demo_sim)
+    try:
+        router_before, engine_before = router_counts(fleet), engine_counts(demo_sim)
+        first = claude(fleet, home, work, "Look at the files here and tell me what main() returns.")
+        assert first.returncode == 0, first.stderr
+        second = claude(fleet, home, work, "Now check README.md as well.", resume=True)
+        assert second.returncode == 0, second.stderr
+        uses, results = [], []
+        for run in (first, second):
+            assert all(result["is_error"] is False for result in run.of_type("result")), run.events
+            uses += claude_tool_calls(run)[0]
+            results += claude_tool_calls(run)[1]
+        # Every call the model made was run by the CLI and answered (the main agent's and its sub-agents').
+        assert uses and {u["id"] for u in uses} == {r["tool_use_id"] for r in results}, (uses, results)
+        check_ledger(fleet, demo_sim, settled(fleet, router_before), engine_before)
+    finally:
+        fleet.router.stop()
+
+
+def test_codex_runs_a_session_with_tool_calls_on_the_simulator(ingester_process, demo_sim, workspace):  # noqa: F811
+    home, work = workspace
+    fleet = demo_fleet(demo_sim)
+    try:
+        router_before, engine_before = router_counts(fleet), engine_counts(demo_sim)
+        first = codex(fleet, home, work, "Look at the files here and tell me what main() returns.")
+        assert first.returncode == 0, first.stderr
+        second = codex(fleet, home, work, "Now check README.md as well.", resume=True)
+        assert second.returncode == 0, second.stderr
+        for run in (first, second):
+            assert run.of_type("turn.completed") and not run.of_type("turn.failed"), run.events
+            assert codex_tool_calls(run), run.events  # it ran the command the model asked for
+        check_ledger(fleet, demo_sim, settled(fleet, router_before), engine_before)
+    finally:
+        fleet.router.stop()
+
+
+# --- real vLLM-CPU --------------------------------------------------------------------------------------------
+def test_claude_code_runs_a_session_on_vllm(ingester_process, demo_vllm, workspace):  # noqa: F811
+    home, work = workspace
+    fleet = demo_fleet(demo_vllm)
+    try:
+        router_before, engine_before = router_counts(fleet), engine_counts(demo_vllm)
+        first = claude(fleet, home, work, "What does main() return?")
+        second = claude(fleet, home, work, "And what is in README.md?", resume=True)
+        for run in (first, second):
+            (result,) = run.of_type("result")
+            # Every answer reached the CLI; what it makes of random text cut at its output limit is its own.
+            assert result.get("api_error_status") is None, result
+        check_ledger(fleet, demo_vllm, settled(fleet, router_before), engine_before)
+    finally:
+        fleet.router.stop()
+
+
+def test_codex_runs_a_session_on_vllm(ingester_process, demo_vllm, workspace):  # noqa: F811
+    home, work = workspace
+    fleet = demo_fleet(demo_vllm)
+    try:
+        router_before, engine_before = router_counts(fleet), engine_counts(demo_vllm)
+        first = codex(fleet, home, work, "What does main() return?")
+        assert first.returncode == 0, first.stderr
+        second = codex(fleet, home, work, "And what is in README.md?", resume=True)
+        assert second.returncode == 0, second.stderr
+        for run in (first, second):
+            assert run.of_type("turn.completed") and not run.of_type("turn.failed"), run.events
+        check_ledger(fleet, demo_vllm, settled(fleet, router_before), engine_before)
+    finally:
+        fleet.router.stop()
+
+
+def test_the_pinned_versions_are_the_ones_installed():
+    """A version bump is one line in package.json; the installed CLIs must be the pinned ones."""
+    pinned = json.loads((ROOT / "tests" / "agents" / "package.json").read_text())["dependencies"]
+    if not BIN.exists():
+        pytest.fail(f"the agents' CLIs are not installed in {BIN.parent}: run `make agents` (make test does)")
+    env = {**os.environ, "HOME": str(ROOT / ".local")}
+    claude_version = subprocess.run(
+        [str(BIN / "claude"), "--version"], capture_output=True, text=True, env=env, timeout=60
+    ).stdout
+    codex_version = subprocess.run(
+        [str(BIN / "codex"), "--version"], capture_output=True, text=True, env=env, timeout=60
+    ).stdout
+    assert pinned["@anthropic-ai/claude-code"] in claude_version
+    assert pinned["@openai/codex"] in codex_version
+    assert shutil.which("node") or shutil.which("nodejs")
