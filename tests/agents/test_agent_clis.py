@@ -13,6 +13,7 @@ settings.SIMULATOR_*) the tool calls are executed by the CLI too; vLLM's random 
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -24,21 +25,23 @@ from pathlib import Path
 import httpx
 import pytest
 
+from routing.tokenize import RouterTokenizer
 from serving.engine_command import simulated_model_args
+from serving.management.commands.bootstrap_demo import DEMO_MAX_MODEL_LEN
 from serving.models import ModelDeployment
 from tenants.models import UsageRecord
 from tenants.usage_stream import usage_ingest_until_empty
 
 from ..routing.conftest import Fleet
 from ..routing.test_precise_routing import ingester_process, precise_fleet  # noqa: F401 (a fixture)
-from ..serving.engines import MODEL_NAME, RunningEngine, start_engine
+from ..serving.engines import MODEL_DIR, MODEL_NAME, RunningEngine, start_engine
 
 pytestmark = pytest.mark.agents
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = ROOT / "tests" / "agents" / "node_modules" / ".bin"
-# The demo deployment's context (serving/management/commands/bootstrap_demo.py): a whole agent session fits.
-DEMO_MAX_MODEL_LEN = 131072
+# The CLIs' first requests, as the router received them (method, path, query, headers, body).
+CAPTURED = sorted((ROOT / "tests" / "agents" / "captured").glob("*.json"))
 CLAUDE_TOOLS = "Agent Bash Read Glob Grep LS"
 
 
@@ -236,12 +239,14 @@ def demo_sim() -> RunningEngine:
 def demo_vllm() -> RunningEngine:
     # The tiny model's random weights never write the end-of-sequence token: the server-wide cap keeps a turn
     # short for Codex, which sends no output limit (Claude Code's is CLAUDE_CODE_MAX_OUTPUT_TOKENS).
+    # --enable-scale-out serves vLLM's own renderer, the oracle of the captured requests' render parity.
     engine = start_engine(
         "vllm",
         "--max-model-len",
         str(DEMO_MAX_MODEL_LEN),
         "--override-generation-config",
         json.dumps({"max_new_tokens": 32}),
+        "--enable-scale-out",
     )
     yield engine
     engine.stop()
@@ -329,6 +334,17 @@ def test_codex_runs_a_session_on_vllm(ingester_process, demo_vllm, workspace):  
         check_ledger(fleet, demo_vllm, settled(fleet, router_before), engine_before)
     finally:
         fleet.router.stop()
+
+
+@pytest.mark.parametrize("captured", CAPTURED, ids=lambda path: path.stem)
+def test_the_router_renders_the_agents_captured_requests_as_vllm_does(demo_vllm, captured):
+    """Token id for token id, the prompt vLLM's own renderer makes of each CLI's real request."""
+    request = json.loads(captured.read_text())
+    body = {**request["body"], "model": MODEL_NAME}
+    reply = httpx.post(f"{demo_vllm.url}{request['path']}/render", json=body, timeout=120)
+    assert reply.status_code == 200, reply.text
+    mine = list(RouterTokenizer(MODEL_DIR).encode_request(copy.deepcopy(body), request["path"]))
+    assert mine == reply.json()["token_ids"] and len(mine) > 5000
 
 
 def test_the_pinned_versions_are_the_ones_installed():

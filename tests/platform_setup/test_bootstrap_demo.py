@@ -55,3 +55,22 @@ def test_it_makes_the_demo_deployment_once_through_the_deployment_service(
     assert any("deployment_changed" in c.__qualname__ for c in callbacks)  # its engines start once committed
     _bootstrap()
     assert AuditLog.objects.filter(action="deployment.create").count() == 1
+
+
+@pytest.mark.django_db
+def test_it_gives_the_demo_a_context_that_fits_a_coding_agents_session(settings):
+    settings.DEBUG = False
+    output = _bootstrap()
+    deployment = ModelDeployment.objects.get(name="tiny-demo")
+    assert deployment.max_model_len == 131072
+    assert "context 131072 tokens" in output
+
+
+@pytest.mark.django_db
+def test_it_prints_the_key_only_when_it_makes_it(settings):
+    settings.DEBUG = False
+    first = _bootstrap()
+    key = first.split("API key:", 1)[1].split()[0]
+    assert key.startswith("ipk_") and first.count(key) == 1
+    again = _bootstrap()
+    assert "ipk_" not in again and "demo key exists" in again

@@ -25,6 +25,9 @@ from tenants.keys import api_key_create
 from tenants.models import ApiKey, Membership, PriceSheet, Quota, Role, Scope, Team, Tenant
 
 DEMO_MODEL = "tiny-qwen"
+# Room for a real Claude Code or Codex session: their first request alone is about 9-13K tokens (system prompt
+# and tools), and Claude Code asks for up to 32,000 output tokens. The tiny model declares enough positions for it.
+DEMO_MAX_MODEL_LEN = 131_072
 
 
 class Command(BaseCommand):
@@ -77,7 +80,7 @@ class Command(BaseCommand):
                 details={"after": snapshot(team)},
             )
             quota = Quota.objects.create(
-                team=team, requests_per_minute=600, max_concurrent_requests=64, token_budget=50_000_000
+                team=team, requests_per_minute=600, max_concurrent_requests=64, token_budget=2_000_000_000
             )
             audit_record(
                 actor=None,
@@ -115,12 +118,14 @@ class Command(BaseCommand):
                     "served_model_name": DEMO_MODEL,
                     "model_source": "models/tiny-qwen",
                     "engine_kind": EngineKind.SIM,
+                    "max_model_len": DEMO_MAX_MODEL_LEN,
                 },
                 pools=[{"name": "main", "replicas": 2}],
             )
             RoutingPolicy.objects.create(deployment=deployment)
         self.stdout.write(
-            f"Deployment: {deployment.name}, {deployment.engine_kind} engines, served as {DEMO_MODEL}"
+            f"Deployment: {deployment.name}, {deployment.engine_kind} engines, served as {DEMO_MODEL}, "
+            f"context {deployment.max_model_len} tokens"
         )
         # Tool calling is on by default: the tiny model is a qwen2, whose family default is the hermes parser.
         tools = deployment.tool_calling()
