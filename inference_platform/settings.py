@@ -154,10 +154,12 @@ CELERY_BEAT_SCHEDULE = {
 ENGINE_PYTHON = Path(env_secret("ENGINE_PYTHON") or BASE_DIR / ".venv-engine" / "bin" / "python")
 # `dummy` makes vLLM start from a model folder without weights: no model hub is reachable here.
 LOCAL_ENGINE_LOAD_FORMAT = env_secret("LOCAL_ENGINE_LOAD_FORMAT") or "dummy"
-# The model a simulated engine plays, so that agents can work against it: a sampled answer ends by itself after
-# this many tokens (the median agent answer; 0: it runs to max_tokens), and a user turn is answered with a tool
-# call only while the conversation holds fewer than this many (0: always), so an agent's loop ends.
-SIMULATOR_ANSWER_LENGTH = env_int("SIMULATOR_ANSWER_LENGTH", 317)
+# The model an engine without real weights plays, so that agents can work against it. Its answers end by
+# themselves after this many tokens (the median agent answer; 0: they run to max_tokens): the simulator's, and
+# local vLLM's on dummy weights (a logits processor, serving/engine_plugins/answer_length.py).
+DUMMY_ANSWER_LENGTH = env_int("DUMMY_ANSWER_LENGTH", 317)
+# The simulator answers a user turn with a tool call only while the conversation holds fewer than this many
+# (0: always), so an agent's loop ends.
 SIMULATOR_TOOL_CALLS_PER_CONVERSATION = env_int("SIMULATOR_TOOL_CALLS_PER_CONVERSATION", 2)
 ENGINE_HEALTH_TIMEOUT_S = 1.0
 # Real vLLM on 2 CPU cores needs about 85-140 s to turn healthy.

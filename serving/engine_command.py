@@ -161,12 +161,16 @@ def chat_format_args(deployment: ModelDeployment) -> list[str]:
     return argv
 
 
+# vLLM's logits processor that ends answers on dummy weights (the module runs in the engine's own environment).
+ANSWER_LENGTH_PROCESSOR = "serving.engine_plugins.answer_length:AnswerLength"
+
+
 def simulated_model_args() -> list[str]:
     """What the simulator's model does that real weights decide: how long its answers are, how many tool calls
-    it makes in one conversation (settings.SIMULATOR_*)."""
+    it makes in one conversation (settings.DUMMY_ANSWER_LENGTH, SIMULATOR_TOOL_CALLS_PER_CONVERSATION)."""
     argv = []
-    if settings.SIMULATOR_ANSWER_LENGTH:
-        argv += ["--answer-length", str(settings.SIMULATOR_ANSWER_LENGTH)]
+    if settings.DUMMY_ANSWER_LENGTH:
+        argv += ["--answer-length", str(settings.DUMMY_ANSWER_LENGTH)]
     if settings.SIMULATOR_TOOL_CALLS_PER_CONVERSATION:
         argv += ["--tool-calls-per-conversation", str(settings.SIMULATOR_TOOL_CALLS_PER_CONVERSATION)]
     return argv
@@ -208,8 +212,16 @@ def render_engine_command(*, deployment: ModelDeployment, pool: Pool, ports: Eng
     if settings.LOCAL_ENGINE_LOAD_FORMAT:
         argv += ["--load-format", settings.LOCAL_ENGINE_LOAD_FORMAT]
     argv += chat_format_args(deployment)
+    dummy_answers = (
+        deployment.engine_kind != EngineKind.SIM
+        and settings.LOCAL_ENGINE_LOAD_FORMAT == "dummy"
+        and settings.DUMMY_ANSWER_LENGTH
+    )
     if deployment.engine_kind == EngineKind.SIM:
         argv += simulated_model_args()
+    elif dummy_answers:
+        # Random weights never stop: vLLM plays a model that does, as the simulator does.
+        argv += ["--logits-processors", ANSWER_LENGTH_PROCESSOR]
     if pool.enable_kv_events:
         events = {
             "enable_kv_cache_events": True,
@@ -233,6 +245,11 @@ def render_engine_command(*, deployment: ModelDeployment, pool: Pool, ports: Eng
     argv += [str(arg) for arg in pool.extra_engine_args or []]
 
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONHASHSEED": "0"}
+    if dummy_answers:
+        env |= {
+            "PYTHONPATH": str(settings.BASE_DIR),
+            "PLATFORM_ANSWER_LENGTH": str(settings.DUMMY_ANSWER_LENGTH),
+        }
     if nixl:
         env |= {
             "UCX_NET_DEVICES": "lo",

@@ -242,6 +242,8 @@ def engine_args(deployment: ModelDeployment, pool: Pool) -> tuple[list[str], dic
         _replace_flag(argv, "--tokenizer", deployment.tokenizer)
     if settings.LOCAL_ENGINE_LOAD_FORMAT and "--load-format" in argv:
         _replace_flag(argv, "--load-format", None)  # a local-only setting: a cluster loads real weights
+    if "--logits-processors" in argv:
+        _replace_flag(argv, "--logits-processors", None)  # which end by themselves, with no help
     if pool.enable_kv_events:
         index = argv.index("--kv-events-config") + 1
         events = json.loads(argv[index])

@@ -8,7 +8,8 @@ every request the router saw was answered 2xx, the CLI exits 0, the ledger has o
 tokens add up to the engine's own counters, the router's predicted cached tokens are within 2 % of what the
 engine reported, and no request was a render failure. On the simulator (which answers a user turn with a call of
 the first tool until the conversation holds two calls, and a tool result with text, as the platform starts it:
-settings.SIMULATOR_*) the tool calls are executed by the CLI too; vLLM's random weights call no tool.
+settings.DUMMY_ANSWER_LENGTH, SIMULATOR_TOOL_CALLS_PER_CONVERSATION) the tool calls are executed by the CLI too;
+vLLM's random weights call no tool (the platform's logits processor ends their answers, so the CLIs finish).
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from django.conf import settings
 
 from routing.tokenize import RouterTokenizer
-from serving.engine_command import simulated_model_args
+from serving.engine_command import ANSWER_LENGTH_PROCESSOR, simulated_model_args
 from serving.management.commands.bootstrap_demo import DEMO_MAX_MODEL_LEN
 from serving.models import ModelDeployment
 from tenants.models import UsageRecord
@@ -237,15 +239,15 @@ def demo_sim() -> RunningEngine:
 
 @pytest.fixture(scope="module")
 def demo_vllm() -> RunningEngine:
-    # The tiny model's random weights never write the end-of-sequence token: the server-wide cap keeps a turn
-    # short for Codex, which sends no output limit (Claude Code's is CLAUDE_CODE_MAX_OUTPUT_TOKENS).
-    # --enable-scale-out serves vLLM's own renderer, the oracle of the captured requests' render parity.
+    # The tiny model's random weights never write the end-of-sequence token: the platform's logits processor ends
+    # each answer as the local orchestrator's engines do (serving/engine_command.py). --enable-scale-out serves
+    # vLLM's own renderer, the oracle of the captured requests' render parity.
     engine = start_engine(
         "vllm",
         "--max-model-len",
         str(DEMO_MAX_MODEL_LEN),
-        "--override-generation-config",
-        json.dumps({"max_new_tokens": 32}),
+        "--logits-processors",
+        ANSWER_LENGTH_PROCESSOR,
         "--enable-scale-out",
     )
     yield engine
@@ -310,11 +312,11 @@ def test_claude_code_runs_a_session_on_vllm(ingester_process, demo_vllm, workspa
     try:
         router_before, engine_before = router_counts(fleet), engine_counts(demo_vllm)
         first = claude(fleet, home, work, "What does main() return?")
+        assert first.returncode == 0, first.stderr
         second = claude(fleet, home, work, "And what is in README.md?", resume=True)
+        assert second.returncode == 0, second.stderr
         for run in (first, second):
-            (result,) = run.of_type("result")
-            # Every answer reached the CLI; what it makes of random text cut at its output limit is its own.
-            assert result.get("api_error_status") is None, result
+            assert all(result["is_error"] is False for result in run.of_type("result")), run.events
         check_ledger(fleet, demo_vllm, settled(fleet, router_before), engine_before)
     finally:
         fleet.router.stop()
@@ -334,6 +336,31 @@ def test_codex_runs_a_session_on_vllm(ingester_process, demo_vllm, workspace):  
         check_ledger(fleet, demo_vllm, settled(fleet, router_before), engine_before)
     finally:
         fleet.router.stop()
+
+
+def answers_end_by_themselves(engine: RunningEngine) -> None:
+    """An answer ends with the stop token at the answer length (settings.DUMMY_ANSWER_LENGTH), unless max_tokens
+    cuts it first: as on the engine's whole stream of agent requests, the usage counts what was generated."""
+    for max_tokens, finish, count in ((1000, "stop", settings.DUMMY_ANSWER_LENGTH), (10, "length", 10)):
+        reply = httpx.post(
+            f"{engine.url}/v1/chat/completions",
+            json={
+                "model": MODEL_NAME,
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": max_tokens,
+            },
+            timeout=120,
+        ).json()
+        assert reply["choices"][0]["finish_reason"] == finish, reply
+        assert reply["usage"]["completion_tokens"] == count, reply
+
+
+def test_the_simulated_model_ends_its_answers(demo_sim):
+    answers_end_by_themselves(demo_sim)
+
+
+def test_vllm_on_dummy_weights_ends_its_answers(demo_vllm):
+    answers_end_by_themselves(demo_vllm)
 
 
 @pytest.mark.parametrize("captured", CAPTURED, ids=lambda path: path.stem)

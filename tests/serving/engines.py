@@ -183,6 +183,9 @@ def _launch(
         # One core per vLLM engine, in turn: engines whose OpenMP threads all spin on every core starve each
         # other (and NIXL's side channel, whose handshake times out after 5 s).
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(next(_vllm_cores))
+        # The platform's engine plugins (serving/engine_plugins/) import from the repository, as the local
+        # orchestrator's engines do.
+        env["PYTHONPATH"] = str(ROOT)
     if nixl_role:
         env.update(
             {

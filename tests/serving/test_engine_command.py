@@ -17,6 +17,13 @@ from serving.models import ModelDeployment, Pool
 from .engines import ENGINE_PYTHON
 
 PORTS = EnginePorts(http=8100, kv_events=5557, side_channel=5600)
+# A local vLLM engine's environment on dummy weights: the answer-length logits processor is importable.
+DUMMY_WEIGHTS_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "PYTHONHASHSEED": "0",
+    "PYTHONPATH": str(settings.BASE_DIR),
+    "PLATFORM_ANSWER_LENGTH": "317",
+}
 
 
 def deployment(**fields) -> ModelDeployment:
@@ -74,15 +81,28 @@ def test_it_renders_the_vllm_command_line():
         "--enable-auto-tool-choice",
         "--tool-call-parser",
         "hermes",
+        # On dummy weights its answers end by themselves (serving/engine_plugins/answer_length.py).
+        "--logits-processors",
+        "serving.engine_plugins.answer_length:AnswerLength",
         "--kv-events-config",
         json.dumps(events, separators=(",", ":")),
     ]
-    assert command.env == {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONHASHSEED": "0"}
+    assert command.env == DUMMY_WEIGHTS_ENV
+
+
+def test_real_weights_get_no_answer_length(settings):
+    settings.LOCAL_ENGINE_LOAD_FORMAT = ""
+    command = render_engine_command(deployment=deployment(), pool=pool(), ports=PORTS)
+    assert "--logits-processors" not in command.argv and "PYTHONPATH" not in command.env
 
 
 def test_it_runs_the_simulator_with_the_same_flags_and_its_model_s_own():
-    """vLLM's flags, then what a simulated model does that real weights decide (settings.SIMULATOR_*)."""
+    """vLLM's flags, then what a simulated model does that real weights decide (settings.DUMMY_ANSWER_LENGTH,
+    SIMULATOR_TOOL_CALLS_PER_CONVERSATION), where vLLM on dummy weights has its logits processor."""
     vllm = render_engine_command(deployment=deployment(), pool=pool(), ports=PORTS)
+    at = vllm.argv.index("--logits-processors")
+    del vllm.argv[at : at + 2]
+    vllm.env.pop("PYTHONPATH"), vllm.env.pop("PLATFORM_ANSWER_LENGTH")
     sim = render_engine_command(deployment=deployment(engine_kind="sim"), pool=pool(), ports=PORTS)
     assert sim.argv[:3] == [sys.executable, "-m", "serving.simulator"]
     own = ["--answer-length", "317", "--tool-calls-per-conversation", "2"]
@@ -93,7 +113,7 @@ def test_it_runs_the_simulator_with_the_same_flags_and_its_model_s_own():
 
 
 def test_the_simulated_model_s_flags_follow_the_settings(settings):
-    settings.SIMULATOR_ANSWER_LENGTH = 0
+    settings.DUMMY_ANSWER_LENGTH = 0
     settings.SIMULATOR_TOOL_CALLS_PER_CONVERSATION = 5
     sim = render_engine_command(deployment=deployment(engine_kind="sim"), pool=pool(), ports=PORTS)
     assert "--answer-length" not in sim.argv
@@ -126,8 +146,7 @@ def test_it_renders_the_nixl_connector_per_role(role, kv_role):
         "kv_buffer_device": "cpu",
     }
     assert command.env == {
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "PYTHONHASHSEED": "0",
+        **DUMMY_WEIGHTS_ENV,
         "UCX_NET_DEVICES": "lo",
         "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
         "VLLM_NIXL_SIDE_CHANNEL_PORT": "5600",
@@ -156,7 +175,7 @@ def test_it_renders_the_cpu_offloading_connector():
         "kv_role": "kv_both",
         "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 30, "self_describing_kv_events": True},
     }
-    assert command.env == {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONHASHSEED": "0"}  # no NIXL side channel
+    assert command.env == DUMMY_WEIGHTS_ENV  # no NIXL side channel
 
 
 def test_offload_without_kv_events_leaves_out_self_describing_events():
