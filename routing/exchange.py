@@ -297,7 +297,9 @@ class Exchange:
                     if resp.status != 200:
                         self.dispatched = False  # the engine refused it: nothing was computed
                         return await self._relay_refusal(resp, base_url)
-                    if self.request.stream:
+                    # What the engine sent decides, not what was asked: a JSON answer to a request the router
+                    # took for a stream is read (and billed) as the answer it is.
+                    if b"text/event-stream" in (resp.header(b"content-type") or b""):
                         await self._relay_stream(resp, deadline)
                     else:
                         await self._relay_body(resp)

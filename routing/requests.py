@@ -196,6 +196,7 @@ def validate(
         raise HttpError(
             400, '`stream_options` must be an object, e.g. {"include_usage": true}.', "stream_options"
         )
+    check_field_types(payload, path)
     messages = payload.get("messages")
     if messages is not None:
         if not isinstance(messages, list) or not messages:
@@ -263,6 +264,62 @@ def validate(
     prompt_bound = len(prompt_ids) if prompt_ids is not None else prompt_token_bound(payload)
     # Each of the n answers may run to max_tokens, or to the end of the context when none is set.
     return min(prompt_bound, limit), (max_tokens or limit) * choices
+
+
+# Fields the router acts on (or bounds the answer by), with the JSON type the public API gives each on a route.
+# vLLM's models read some other types leniently (the string "false" as false, 5.0 or "5" as 5); a value of another
+# type is refused here, so the router and the engine cannot read one request two ways (a stream the router takes
+# for a whole answer, an answer it takes for a stream and bills nothing).
+BOOLEAN, INTEGER = "boolean", "integer"
+FIELD_TYPES = {
+    "stream": BOOLEAN,
+    "echo": BOOLEAN,
+    "n": INTEGER,
+    "max_tokens": INTEGER,
+    "max_completion_tokens": INTEGER,
+    "max_output_tokens": INTEGER,
+    "top_logprobs": INTEGER,
+    "prompt_logprobs": INTEGER,
+}
+STREAM_OPTION_TYPES = {"include_usage": BOOLEAN, "continuous_usage_stats": BOOLEAN}
+
+
+def check_field_types(payload: dict, path: str) -> None:
+    """Refuse (400) a field the router acts on whose value is not of its public JSON type (null is the default)."""
+    for field, kind in FIELD_TYPES.items():
+        _check_type(payload.get(field), kind, field)
+    # `logprobs`: whether to return them on chat completions, how many on text completions.
+    _check_type(payload.get("logprobs"), INTEGER if path == "/v1/completions" else BOOLEAN, "logprobs")
+    options = payload.get("stream_options")
+    for field, kind in STREAM_OPTION_TYPES.items() if isinstance(options, dict) else ():
+        _check_type(options.get(field), kind, f"stream_options.{field}")
+
+
+def _check_type(value, kind: str, field: str) -> None:
+    if value is None:
+        return
+    if kind == BOOLEAN:
+        if isinstance(value, bool):
+            return
+        example = "true or false"
+    else:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return
+        example = "a whole number such as 16"
+    shown = dumps(value)[:40].decode(errors="replace")
+    raise HttpError(
+        400, f"`{field}` must be a JSON {kind} ({example}), not {_json_type(value)} {shown}.", field
+    )
+
+
+def _json_type(value) -> str:
+    if isinstance(value, bool):
+        return "the boolean"
+    if isinstance(value, int | float):
+        return "the number"
+    if isinstance(value, str):
+        return "the string"
+    return "the array" if isinstance(value, list) else "the object"
 
 
 def over_context(
