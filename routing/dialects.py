@@ -100,6 +100,14 @@ class Dialect:
     def is_usage_only_event(self, event: bytes) -> bool:
         return b'"choices":[]' in event and b'"usage"' in event
 
+    def running_output(self, events: bytes) -> int:
+        """The engine's running count of output tokens in the last of these events that carries one (vLLM's
+        `continuous_usage_stats`), else 0."""
+        at = events.rfind(b'"completion_tokens":')
+        if at < 0:
+            return 0
+        return _int_after(events[at:], b'"completion_tokens":') or 0
+
     def prompt_from_event(self, event: bytes) -> int | None:
         """The engine's count of prompt tokens, from a chunk that carries running usage (vLLM's
         `continuous_usage_stats`: from the first chunk on, before the answer is over)."""

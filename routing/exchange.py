@@ -70,6 +70,7 @@ class Exchange:
         # True once a prefill engine computed the prompt and the decode engine is to pull its KV.
         self.prefilled_remotely = False
         self.streamed_events = 0
+        self.running_output = 0  # the engine's running count of output tokens (OpenAI's continuous usage)
         self.predicted_cached = 0
         self.pd_done = False
         self.prefill_usage: Usage | None = None
@@ -404,6 +405,7 @@ class Exchange:
                     self.streamed_events += run.count(dialect.CONTENT_MARKER)
                     if self.engine_prompt is None:
                         self.engine_prompt = dialect.prompt_from_event(run)
+                    self.running_output = max(self.running_output, dialect.running_output(run))
                     out.append(dialect.without_running_usage(run) if strip else run)
                 for event in whole[plain:-2].split(b"\n\n") if plain < end else ():
                     usage = dialect.usage_from_event(event)
@@ -499,15 +501,18 @@ class Exchange:
         """The usage to bill, once the answer is over or has failed. Safe to call more than once.
 
         The engine's final usage when it sent one. A request cut short (the client went away, the engine died or
-        stalled) after an engine took it pays for its prompt all the same: the engine's count of the prompt from
-        its first chunk, or before that the router's own count (its bound when it did not tokenize), with the
-        cached part the router predicted; and for its output, what reached the client."""
+        stalled), or whose stream ended without its usage, after an engine took it pays for its prompt all the
+        same: the engine's count of the prompt from its first chunk, or before that the router's own count (its
+        bound when it did not tokenize), with the cached part the router predicted; and for its output, the
+        engine's last running count (several tokens may come in one chunk) or what reached the client."""
         if self.prefill_usage is not None and self.usage.reported:
             # The prompt counts once, with the cached tokens of the leg that did the prefill.
             self.usage.cached_tokens = min(self.prefill_usage.cached_tokens, self.usage.prompt_tokens)
-        if self.usage.reported or self.status == "completed":
+        if self.usage.reported:
             return
-        self.usage.output_tokens = max(self.usage.output_tokens, self.streamed_events)
+        # No final usage, whether the answer was cut short or ended without one (vLLM ends a stream that failed
+        # midway with an error event and `[DONE]`): never billed 0 for what the engine did.
+        self.usage.output_tokens = max(self.usage.output_tokens, self.streamed_events, self.running_output)
         if self.prefill_usage is not None and self.prefill_usage.reported:
             # A prefill engine computed the prompt and said so.
             self.usage.prompt_tokens = max(self.usage.prompt_tokens, self.prefill_usage.prompt_tokens)
