@@ -108,6 +108,15 @@ class Dialect:
             return 0
         return _int_after(events[at:], b'"completion_tokens":') or 0
 
+    def running_outputs(self, events: bytes, counts: dict[int, int]) -> None:
+        """With several choices (`n`), vLLM's running count is each choice's own: the last count of each choice
+        in these events, into `counts` (choice index -> tokens)."""
+        for event in events.split(b"\n\n"):
+            count = _int_after(event, b'"completion_tokens":')
+            if count is not None:
+                index = _int_after(event, b'"choices":[{"index":') or 0
+                counts[index] = max(counts.get(index, 0), count)
+
     def prompt_from_event(self, event: bytes) -> int | None:
         """The engine's count of prompt tokens, from a chunk that carries running usage (vLLM's
         `continuous_usage_stats`: from the first chunk on, before the answer is over)."""

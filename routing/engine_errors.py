@@ -20,6 +20,7 @@ handle (routing/exchange.py): another engine is tried, and the client gets a 502
 
 from __future__ import annotations
 
+import re
 from typing import NamedTuple
 from urllib.parse import urlsplit
 
@@ -100,11 +101,10 @@ def _message(data) -> str | None:
 
 
 def _hide_engine(message: str, engine_url: str) -> str:
-    """`message` without the engine's address in it."""
+    """`message` without the engine's address in it: its URL, host and port, or host name (a Kubernetes service's
+    short name such as `engine-a` too), in any case."""
     parts = urlsplit(engine_url)
-    # A bare host name only when it cannot be an ordinary word (an address, or a name with dots in it).
-    host = parts.hostname if parts.hostname and ("." in parts.hostname or ":" in parts.hostname) else None
-    for name in (engine_url.rstrip("/"), parts.netloc, host):
-        if name and name in message:
-            message = message.replace(name, "the engine")
+    for name in (engine_url.rstrip("/"), parts.netloc, parts.hostname):
+        if name and len(name) >= 3:
+            message = re.sub(rf"(?<![\w.-]){re.escape(name)}(?![\w-])", "the engine", message, flags=re.I)
     return message

@@ -71,6 +71,9 @@ class Exchange:
         self.prefilled_remotely = False
         self.streamed_events = 0
         self.running_output = 0  # the engine's running count of output tokens (OpenAI's continuous usage)
+        # With several choices, each one's running count (vLLM counts each choice on its own).
+        n = request.payload.get("n")
+        self.choice_outputs: dict[int, int] | None = {} if isinstance(n, int) and n > 1 else None
         self.predicted_cached = 0
         self.pd_done = False
         self.prefill_usage: Usage | None = None
@@ -295,6 +298,16 @@ class Exchange:
                         await resp.read()
                         metrics.of(metrics.errors, self.model, "upstream_5xx").inc()
                         return "engine_5xx"
+                    if resp.status in (401, 403):
+                        # The engine refused the router's own key (a rotation not everywhere yet): the router's
+                        # fault, not the client's key. Another engine is tried, then the client gets a 502.
+                        self.dispatched = False
+                        await resp.read()
+                        metrics.of(metrics.errors, self.model, "engine_auth").inc()
+                        log.error(
+                            "an engine of %s refused the router's engine key (%s)", self.model, resp.status
+                        )
+                        return "engine_5xx"
                     if resp.status != 200:
                         self.dispatched = False  # the engine refused it: nothing was computed
                         return await self._relay_refusal(resp, base_url)
@@ -405,7 +418,11 @@ class Exchange:
                     self.streamed_events += run.count(dialect.CONTENT_MARKER)
                     if self.engine_prompt is None:
                         self.engine_prompt = dialect.prompt_from_event(run)
-                    self.running_output = max(self.running_output, dialect.running_output(run))
+                    if self.choice_outputs is None:
+                        self.running_output = max(self.running_output, dialect.running_output(run))
+                    else:
+                        dialect.running_outputs(run, self.choice_outputs)
+                        self.running_output = sum(self.choice_outputs.values())
                     out.append(dialect.without_running_usage(run) if strip else run)
                 for event in whole[plain:-2].split(b"\n\n") if plain < end else ():
                     usage = dialect.usage_from_event(event)
@@ -432,6 +449,8 @@ class Exchange:
                 if self.streamed_events and self._prefilling is not None:
                     self._prefill_done(first_token=True)  # the engine's prefill of this prompt is over
         except UpstreamError as exc:
+            if self.status == "completed":
+                return  # the answer's end reached the client; what the engine does after it is its own
             if not self.response_started:
                 raise  # nothing reached the client: another engine may serve it
             # The engine died or stalled mid-stream: tell the client in its dialect, bill what was streamed.

@@ -5,8 +5,8 @@ In order of precedence:
 1. `x-session-id`, the header this gateway documents;
 2. Claude Code's `X-Claude-Code-Session-Id` header, then the `session_id` in its `metadata.user_id` (a JSON
    string: {"device_id": ..., "account_uuid": ..., "session_id": ...});
-3. Codex's `prompt_cache_key` (its session id, in the Responses body; OpenAI's chat completions take it too),
-   then its `x-codex-window-id` header.
+3. Codex's `x-codex-window-id` header, then `prompt_cache_key` (Codex's session id, in the Responses body;
+   OpenAI's chat completions take it too; last, since an app may set one key for all its requests).
 
 The id is hashed with the tenant's id, so two tenants naming the same session never share a mapping, and every key
 the router keeps has the same bounded length whatever the client sent.
@@ -41,10 +41,12 @@ def _named_session(scope: dict, payload: dict) -> str | None:
     named = _claude_code_session(payload.get("metadata"))
     if named:
         return named
+    window = header(scope, b"x-codex-window-id")
+    if window:
+        return window
+    # Last: OpenAI describes it as a key for requests that share a prefix, which an app may set once for all.
     key = payload.get("prompt_cache_key")
-    if isinstance(key, str) and key:
-        return key
-    return header(scope, b"x-codex-window-id") or None
+    return key if isinstance(key, str) and key else None
 
 
 def _claude_code_session(metadata) -> str | None:

@@ -212,10 +212,15 @@ def render_engine_command(*, deployment: ModelDeployment, pool: Pool, ports: Eng
     if settings.LOCAL_ENGINE_LOAD_FORMAT:
         argv += ["--load-format", settings.LOCAL_ENGINE_LOAD_FORMAT]
     argv += chat_format_args(deployment)
+    # vLLM refuses custom logits processors beside speculative decoding: such a pool's answers run to max_tokens.
+    speculative = speculative_config(pool) is not None or "--speculative-config" in (
+        pool.extra_engine_args or []
+    )
     dummy_answers = (
         deployment.engine_kind != EngineKind.SIM
         and settings.LOCAL_ENGINE_LOAD_FORMAT == "dummy"
         and settings.DUMMY_ANSWER_LENGTH
+        and not speculative
     )
     if deployment.engine_kind == EngineKind.SIM:
         argv += simulated_model_args()

@@ -3,8 +3,9 @@
 A model loaded with `--load-format dummy` writes noise and never the end-of-sequence token, so every answer runs to
 its output limit, and an agent (Claude Code) takes an answer cut there for an error. With this processor the
 engine plays a model that stops by itself, as the simulator does with `--answer-length`: once a request has
-`PLATFORM_ANSWER_LENGTH - 1` tokens (default 317), its next token is forced to be its first stop token. Requests
-with `ignore_eos` or without stop tokens are left alone. The platform loads it only for dummy weights
+`PLATFORM_ANSWER_LENGTH - 1` tokens (default 317), its next token is forced to be the end-of-sequence token (else its
+first stop token). Requests with `ignore_eos` or without stop tokens are left alone; vLLM loads no custom logits
+processor beside speculative decoding, so such pools are started without it. The platform loads it only for dummy weights
 (serving/engine_command.py):
 
     PYTHONPATH=<repository> python -m vllm.entrypoints.openai.api_server ... \\
@@ -33,9 +34,14 @@ class AnswerLength(LogitsProcessor):
 
     @staticmethod
     def _track(params, _prompt_ids, output_ids: list[int]):
-        if params.ignore_eos or not params.all_stop_token_ids:
+        if params.ignore_eos:
             return None
-        return output_ids, min(params.all_stop_token_ids)
+        stop = params.eos_token_id
+        if stop is None:
+            if not params.all_stop_token_ids:
+                return None
+            stop = min(params.all_stop_token_ids)
+        return output_ids, stop
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         process_dict_updates(self.requests, batch_update, self._track)

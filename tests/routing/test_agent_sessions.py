@@ -1,6 +1,6 @@
 """Sessions the agents name, used for session affinity as `x-session-id` is: Claude Code's
-`X-Claude-Code-Session-Id` header and the `session_id` in its `metadata.user_id`, Codex's `prompt_cache_key` and
-`x-codex-window-id`; hashed and scoped to the tenant, so two tenants naming the same session stay apart."""
+`X-Claude-Code-Session-Id` header and the `session_id` in its `metadata.user_id`, Codex's `x-codex-window-id` and
+`prompt_cache_key`; hashed and scoped to the tenant, so two tenants naming the same session stay apart."""
 
 from __future__ import annotations
 
@@ -188,13 +188,13 @@ def test_the_session_key_is_the_clients_first_named_id_hashed_per_tenant():
         "explicit": session_key(scope(x_session_id="s", x_claude_code_session_id="c"), claude, 1),
         "claude header": session_key(scope(x_claude_code_session_id="c"), claude, 1),
         "claude metadata": session_key(scope(x_codex_window_id="w"), {**claude, "prompt_cache_key": "k"}, 1),
-        "codex key": session_key(scope(x_codex_window_id="w"), {"prompt_cache_key": "k"}, 1),
-        "codex window": session_key(scope(x_codex_window_id="w"), {}, 1),
+        "codex window": session_key(scope(x_codex_window_id="w"), {"prompt_cache_key": "k"}, 1),
+        "codex key": session_key(scope(), {"prompt_cache_key": "k"}, 1),
     }
     assert named["explicit"] == session_key(scope(x_session_id="s"), {}, 1)
     assert named["claude header"] == session_key(scope(x_claude_code_session_id="c"), {}, 1)
     assert named["claude metadata"] == session_key(scope(), claude, 1)
-    assert named["codex key"] == session_key(scope(), {"prompt_cache_key": "k"}, 1)
+    assert named["codex window"] == session_key(scope(x_codex_window_id="w"), {}, 1)
     assert len(set(named.values())) == 5
     assert session_key(scope(x_session_id="s"), {}, 2) != named["explicit"]  # another tenant's
     huge = session_key(scope(x_session_id="s" * 100_000), {}, 1)

@@ -352,3 +352,29 @@ def test_endpoints_marked_unhealthy_leave_a_503_in_json(fleet):
         anthropic_client(fleet).messages.create(model=MODEL_NAME, max_tokens=4, messages=CHAT)
     assert unavailable.value.status_code == 503
     assert anthropic_error(unavailable.value)["type"] == "overloaded_error"
+
+
+async def refuses_the_router_key(request):
+    return web.json_response({"error": "Unauthorized"}, status=401)
+
+
+def test_an_engine_refusing_the_routers_own_key_is_a_502_not_the_clients_bad_key(router_process):
+    """vLLM's `--api-key` middleware answers 401 to a wrong engine key (a rotation not everywhere yet): that is the
+    platform's fault, so another engine is tried and the client gets a 502, never an authentication error."""
+    engines = [HostileEngine(on_every_route(refuses_the_router_key)) for _ in range(2)]
+    fleet = make_fleet(router_process, engines)
+    failures = call_each_dialect(fleet, stream=False)
+    for name in ("chat", "responses"):
+        assert isinstance(failures[name], openai.InternalServerError) and failures[name].status_code == 502
+    assert isinstance(failures["messages"], anthropic.InternalServerError)
+    assert all(engine.hits for engine in engines)
+
+
+def test_an_engines_bare_host_name_is_hidden_too():
+    from routing.dialects import OPENAI
+    from routing.engine_errors import refusal
+
+    body = b'{"error": {"message": "cannot reach Engine-A:8000 or engine-a from engine-a.prefill"}}'
+    answer = refusal(OPENAI, 400, body, "http://engine-a:8000")
+    message = json.loads(answer.body)["error"]["message"]
+    assert "engine-a" not in message.lower(), message

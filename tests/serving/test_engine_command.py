@@ -90,6 +90,16 @@ def test_it_renders_the_vllm_command_line():
     assert command.env == DUMMY_WEIGHTS_ENV
 
 
+def test_speculative_decoding_gets_no_answer_length():
+    """vLLM refuses custom logits processors beside speculative decoding."""
+    for speculative in (
+        pool(speculative_method="ngram", num_speculative_tokens=4),
+        pool(extra_engine_args=["--speculative-config", '{"method":"ngram","num_speculative_tokens":4}']),
+    ):
+        command = render_engine_command(deployment=deployment(), pool=speculative, ports=PORTS)
+        assert "--logits-processors" not in command.argv and "PYTHONPATH" not in command.env
+
+
 def test_real_weights_get_no_answer_length(settings):
     settings.LOCAL_ENGINE_LOAD_FORMAT = ""
     command = render_engine_command(deployment=deployment(), pool=pool(), ports=PORTS)
