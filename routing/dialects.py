@@ -215,7 +215,9 @@ class ResponsesDialect(Dialect):
 
     name = "responses"
     SPECIAL_MARKERS = (b"response.completed",)
-    CONTENT_MARKER = b"event: response.output_text.delta\n"
+    # Every event that carries output is a `.delta` (text, reasoning, a function call's or a custom tool's input),
+    # each named on its own line before its data (a newline inside the data's JSON is escaped).
+    CONTENT_MARKER = b".delta\ndata:"
 
     def stream_error_event(self, status: int, message: str) -> bytes:
         """`response.failed`, which Responses clients such as Codex read (they take a stream that ends without
@@ -253,7 +255,7 @@ class ResponsesDialect(Dialect):
         return False
 
     def is_content_event(self, event: bytes) -> bool:
-        return event.startswith(self.CONTENT_MARKER)
+        return event.startswith(b"event: response.") and self.CONTENT_MARKER in event
 
     def is_terminal_event(self, event: bytes) -> bool:
         return b"response.completed" in event.split(b"\n", 1)[0]
@@ -343,19 +345,22 @@ def chat_inputs(payload: dict, traits: TemplateTraits = TemplateTraits(), *, eac
         if not isinstance(tools, list):
             raise RenderError("bad_tools", "`tools` must be a list.", "tools")
         tools = [_tool(tool) for tool in tools]
-    kwargs = {
-        "add_generation_prompt": payload.get("add_generation_prompt", True),
-        "continue_final_message": payload.get("continue_final_message", False),
-    }
     user_kwargs = payload.get("chat_template_kwargs") or {}
     if not isinstance(user_kwargs, dict):
         raise RenderError("bad_kwargs", "`chat_template_kwargs` must be an object.", "chat_template_kwargs")
+    # As vLLM merges them: the request's own fields, where set, over `chat_template_kwargs`.
+    kwargs = {
+        **user_kwargs,
+        "add_generation_prompt": payload.get("add_generation_prompt", True),
+        "continue_final_message": payload.get("continue_final_message", False),
+    }
+    if payload.get("documents") is not None:
+        kwargs["documents"] = payload["documents"]
     effort = payload.get("reasoning_effort")
     if effort is not None:
         kwargs["reasoning_effort"] = effort
         if "enable_thinking" not in user_kwargs:
             kwargs["enable_thinking"] = effort != "none"
-    kwargs.update(user_kwargs)
     if kwargs["continue_final_message"]:
         kwargs["add_generation_prompt"] = False
     return ChatInputs(conversation, tools, kwargs)

@@ -14,6 +14,7 @@ import orjson
 
 from . import metrics
 from .admission import cost_units
+from .assemble import ASSEMBLERS, Assembler, EngineStreamError
 from .dialects import OPENAI, Dialect, Usage
 from .disagg import prefill_elsewhere
 from .engine_errors import refusal, route_missing_body
@@ -52,6 +53,7 @@ class RequestInfo(NamedTuple):
     reservation: object  # admission's, settled by `complete`
     priority: str = "standard"  # its class under flow control (routing/flow.py)
     output_bound: int = 0  # its output tokens at most, as reserved
+    assemble: bool = False  # the client did not stream, the engine streams: the answer is assembled here
 
 
 class Exchange:
@@ -88,6 +90,8 @@ class Exchange:
         self._completed = False
         self.ticket: Ticket | None = None  # its turn under flow control, once let through
         self.queued_s: float | None = None  # how long it waited for that turn
+        # A client that did not ask for a stream gets the engine's stream assembled (routing/assemble.py).
+        self.assembler: Assembler | None = None
 
     @property
     def model(self) -> str:
@@ -286,8 +290,10 @@ class Exchange:
         "engine_5xx" or "route_missing"."""
         sent_at = time.perf_counter()
         self.dispatched = True
+        request = self.request
+        whole_answer = not request.stream and not request.assemble
         try:
-            async with asyncio.timeout(self.first_token_timeout) as deadline:
+            async with asyncio.timeout(self._headers_timeout(whole_answer)) as deadline:
                 async with self.router.upstream.post(
                     base_url + self.request.scope["path"], body, self.upstream_headers()
                 ) as resp:
@@ -314,6 +320,8 @@ class Exchange:
                     # What the engine sent decides, not what was asked: a JSON answer to a request the router
                     # took for a stream is read (and billed) as the answer it is.
                     if b"text/event-stream" in (resp.header(b"content-type") or b""):
+                        if request.assemble:
+                            self.assembler = ASSEMBLERS[request.scope["path"]]()
                         await self._relay_stream(resp, deadline)
                     else:
                         await self._relay_body(resp)
@@ -323,12 +331,33 @@ class Exchange:
         except TimeoutError:
             if self.first_byte_at is not None:
                 raise  # handled in the relay; not reached
+            if whole_answer:
+                # An answer that cannot be streamed (prompt logprobs) and did not come within its whole time:
+                # the engine took it, so it is billed its prompt, and not tried again elsewhere.
+                metrics.of(metrics.errors, self.model, "whole_answer_timeout").inc()
+                self.http_status = 504
+                await self.complete()
+                message = (
+                    f"The model `{self.model}` did not finish this answer, which cannot be streamed, within "
+                    f"{self._headers_timeout(True):g} s. Ask for fewer tokens or fewer prompt logprobs."
+                )
+                error = request.dialect.error_body(504, message)
+                await respond(self.send, 504, error, self._error_headers())
+                return None
             # Nothing reached the client: another engine may serve it (this one drops the request as the
             # connection closes).
             self.dispatched = False
             metrics.of(metrics.errors, self.model, "first_token_timeout").inc()
             raise UpstreamTimeout(f"no first token within {self.first_token_timeout:g} s") from None
         return None
+
+    def _headers_timeout(self, whole_answer: bool) -> float:
+        """How long the engine may take to start its answer: the first-token limit for a stream; for an answer
+        the engine sends whole (its headers come at its end), as long as a stream of its largest answer could
+        take, a token per stall limit."""
+        if not whole_answer:
+            return self.first_token_timeout
+        return self.first_token_timeout + self.request.output_bound * self.stall_timeout
 
     def upstream_headers(self) -> list[tuple[str, str]]:
         """Only the router's own headers: never the client's key. The engine key proves the call comes from
@@ -448,7 +477,17 @@ class Exchange:
                     await self._send_events(resp, b"".join(out))
                 if self.streamed_events and self._prefilling is not None:
                     self._prefill_done(first_token=True)  # the engine's prefill of this prompt is over
+        except EngineStreamError as exc:
+            return await self._assembly_failed(
+                exc.status, f"The engine failed in the middle of the answer: {exc}"
+            )
         except UpstreamError as exc:
+            if self.assembler is not None:
+                if self.first_byte_at is None:
+                    raise  # the engine sent nothing: another engine may serve it
+                return await self._assembly_failed(
+                    502, f"The engine stopped in the middle of the answer ({exc})"
+                )
             if self.status == "completed":
                 return  # the answer's end reached the client; what the engine does after it is its own
             if not self.response_started:
@@ -472,12 +511,47 @@ class Exchange:
                 }
             )
             return
+        if self.assembler is not None:
+            return await self._assembled(buffer)
         if buffer.strip():
             await self._send_events(resp, buffer)
         self.status = "completed"
         await self.complete()
         await self._start_response(resp)
         await self.send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _assembled(self, rest: bytes) -> None:
+        """The stream is over: the client gets the whole answer as one JSON body, once it is settled."""
+        try:
+            if rest.strip():
+                self.assembler.feed_events(rest)
+            if self.status != "completed":
+                raise EngineStreamError(502, "the engine's stream ended before the answer was complete")
+            body = self.assembler.body()
+        except EngineStreamError as exc:
+            return await self._assembly_failed(
+                exc.status, f"The engine failed in the middle of the answer: {exc}"
+            )
+        self.http_status = 200
+        await self.complete()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"x-request-id", self.request.request_id.encode()),
+        ]
+        await respond(self.send, 200, body, headers + encode_headers(self.request.headers))
+
+    async def _assembly_failed(self, status: int, message: str) -> None:
+        """An answer being assembled failed midway: the client gets an error in its dialect, and the work the
+        engine did is billed (its running counts, routing/exchange.finalize_usage)."""
+        metrics.of(metrics.errors, self.model, "midstream").inc()
+        self.status = "failed"
+        self.http_status = 502 if status >= 500 else status
+        self.usage.output_tokens = max(self.usage.output_tokens, self.streamed_events)
+        await self.complete()
+        body = self.request.dialect.error_body(
+            self.http_status, f"{message}. The tokens computed so far are billed; retry to get a full answer."
+        )
+        await respond(self.send, self.http_status, body, self._error_headers())
 
     async def _start_response(self, resp: Response) -> None:
         if not self.response_started:
@@ -488,6 +562,9 @@ class Exchange:
 
     async def _send_events(self, resp: Response, data: bytes) -> None:
         self._first_byte()
+        if self.assembler is not None:
+            self.assembler.feed_events(data)
+            return
         if not self.response_started:
             await self._start_response(resp)
         await self.send({"type": "http.response.body", "body": data, "more_body": True})

@@ -16,6 +16,7 @@ from redis.exceptions import RedisError
 
 from . import metrics
 from .admission import cost_units
+from .assemble import assembles
 from .dialects import OPENAI, Dialect
 from .exchange import Exchange, RequestInfo
 from .pipeline import RequestContext
@@ -69,9 +70,18 @@ async def generate(router: Router, scope: dict, receive: Receive, send: Send, di
         )
         stream = bool(payload.get("stream"))
         options = payload.get("stream_options") or {}
+        if options and not stream:
+            # As vLLM refuses it; the router streams from the engine all the same (below).
+            raise HttpError(400, "`stream_options` can only be set when `stream` is true.", "stream_options")
         client_wants_usage = bool(options.get("include_usage"))
         client_wants_running_usage = bool(options.get("continuous_usage_stats"))
-        if stream and dialect is OPENAI:
+        # A client that does not stream gets its answer assembled from the engine's stream (routing/assemble.py):
+        # a long answer is not mistaken for an engine that never started, and one cut short is billed.
+        assemble = not stream and assembles(payload, path)
+        if assemble:
+            payload["stream"] = True
+            client_wants_usage = client_wants_running_usage = True  # the assembler reads every event
+        if payload.get("stream") and dialect is OPENAI:
             # The engine reports usage in every chunk, so a stream cut short still bills the prompt it read.
             payload["stream_options"] = {**options, "include_usage": True, "continuous_usage_stats": True}
         body = dumps(payload)
@@ -166,6 +176,7 @@ async def generate(router: Router, scope: dict, receive: Receive, send: Send, di
         decision.reservation,
         priority,
         output_bound,
+        assemble,
     )
     exchange = Exchange(router, request, receive, send)
     too_long = over_context(deployment, payload, ctx, path)

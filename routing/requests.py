@@ -261,7 +261,11 @@ def validate(
         raise HttpError(
             400, "`best_of` is not supported: remove it, or use `n` for several answers.", "best_of"
         )
-    prompt_bound = len(prompt_ids) if prompt_ids is not None else prompt_token_bound(payload)
+    if prompt_ids is not None:
+        prompt_bound = len(prompt_ids)
+    else:
+        tokenizer = tokenizers.tokenizer_for(deployment)
+        prompt_bound = prompt_token_bound(payload, len(tokenizer.template_source) if tokenizer else 0)
     # Each of the n answers may run to max_tokens, or to the end of the context when none is set.
     return min(prompt_bound, limit), (max_tokens or limit) * choices
 
@@ -362,19 +366,16 @@ def output_limit(payload: dict, path: str) -> tuple[str, object]:
     return "max_tokens", payload.get("max_tokens")
 
 
-def prompt_token_bound(payload: dict) -> int:
+def prompt_token_bound(payload: dict, template_chars: int = 0) -> int:
     """An upper bound of the prompt's tokens without tokenising (a prompt not given as token ids): byte-level BPE
-    tokens cover at least one byte each, plus a few template tokens per message."""
-    prompt = payload.get("prompt")
-    total = 0
-    for part in (
-        prompt,
-        payload.get("messages"),
-        payload.get("system"),
-        payload.get("input"),
-        payload.get("tools"),
-    ):
-        if part is not None:
-            total += len(dumps(part)) if not isinstance(part, str) else len(part.encode())
+    tokens cover at least one byte each, and every field that can reach the prompt (`messages`, `system`,
+    `instructions`, `input`, `tools`, `documents`, `chat_template_kwargs`, ...) is in the request's JSON, so its
+    bytes bound them all; plus the chat template's own text (`template_chars`), a few tokens per message for its
+    role markers, and the tools once more (a template writes them out with spaces after separators). A request cut
+    short pays this when the router did not tokenize it, and admission reserves it: no field can make either
+    smaller than the prompt."""
     messages = payload.get("messages")
-    return total + 8 * (len(messages) if isinstance(messages, list) else 1) + 16
+    tools = payload.get("tools")
+    bound = len(dumps(payload)) + template_chars + 16
+    bound += 8 * (len(messages) if isinstance(messages, list) else 1)
+    return bound + (len(dumps(tools)) if tools else 0)

@@ -232,6 +232,15 @@ OPENAI_CASES = [
         },
     ),
     RenderCase(
+        "chat_template_kwargs cannot override the request's own add_generation_prompt",
+        CHAT,
+        {
+            "chat_template_kwargs": {"add_generation_prompt": False, "continue_final_message": True},
+            "documents": [{"title": "notes", "text": "The build uses make."}],
+            "messages": [{"role": "user", "content": "How is it built?"}],
+        },
+    ),
+    RenderCase(
         "reasoning in history",
         CHAT,
         {

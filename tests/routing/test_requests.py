@@ -351,9 +351,60 @@ def test_a_chat_request_reserves_its_prompt_bound_and_max_completion_tokens_per_
     sent = openai_chat(max_completion_tokens=300, n=2, stream=True, stream_options={"include_usage": True})
     payload, (prompt, output) = check(sent, tokenizers)
     assert output == 600
-    assert prompt == prompt_token_bound(payload) < CONTEXT
+    template = RouterTokenizer(MODEL_DIR).template_source
+    assert prompt == prompt_token_bound(payload, len(template)) < CONTEXT
     tokens = len(RouterTokenizer(MODEL_DIR).encode_chat(payload["messages"]))
     assert tokens <= prompt  # a bound of the real count
+
+
+BIG = 3000  # tokens of filler in one field, well over what the rest of a request holds
+
+
+def filler(words: int) -> str:
+    return " ".join(f"w{i % 97}x" for i in range(words))
+
+
+@pytest.mark.parametrize(
+    ("path", "fields"),
+    [
+        (
+            "/v1/responses",
+            {"instructions": filler(BIG), "input": "hi", "max_output_tokens": 8},
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "documents": [{"title": "doc", "text": filler(BIG)}],
+                "max_tokens": 8,
+            },
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "chat_template_kwargs": {"extra_context": filler(BIG)},
+                "max_tokens": 8,
+            },
+        ),
+        (
+            "/v1/messages",
+            {"system": filler(BIG), "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8},
+        ),
+    ],
+    ids=["responses-instructions", "chat-documents", "chat-template-kwargs", "messages-system"],
+)
+def test_the_reserved_prompt_bound_covers_every_field_that_reaches_the_prompt(tokenizers, path, fields):
+    """`instructions`, `documents`, `chat_template_kwargs`: what a request reserves (and pays when cut short
+    before the router counted it) bounds the whole prompt, whatever field holds it."""
+    dialect = {"/v1/messages": ANTHROPIC, "/v1/responses": RESPONSES}.get(path, OPENAI)
+    payload = engine_fields({"model": MODEL_NAME, **fields}, path, key_info())
+    prompt, _ = validate(
+        payload, tiny(max_model_len=65536), dialect, None, path, MAX_MESSAGES, MAX_CHOICES, tokenizers
+    )
+    text = filler(BIG)
+    tokens = len(RouterTokenizer(MODEL_DIR).encode_prompt(text))
+    assert prompt > tokens >= BIG  # on main before: only `input`, `messages`, `system` and `tools` were counted
 
 
 def test_an_anthropic_request_without_max_tokens_is_a_400_and_an_openai_one_reserves_the_context(tokenizers):
