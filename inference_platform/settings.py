@@ -325,6 +325,12 @@ ROUTER_SNAPSHOT_FAIL_CLOSED_SECONDS = float(env_secret("ROUTER_SNAPSHOT_FAIL_CLO
 # Requests one replica serves at once; past it, a 503 with Retry-After.
 ROUTER_MAX_CONNECTIONS = env_int("ROUTER_MAX_CONNECTIONS", 4096)
 ROUTER_MAX_CHOICES = env_int("ROUTER_MAX_CHOICES", 8)  # the largest `n`
+# What an answer may make the router hold: an engine's whole (unstreamed) answer, one event of a stream, and the
+# prompt logprobs a request may ask for (prompt tokens x (logprobs + 1) entries, `prompt_logprobs` or a
+# completion's `echo` with `logprobs`: some 70 bytes of answer each).
+ROUTER_MAX_ANSWER_BYTES = env_int("ROUTER_MAX_ANSWER_BYTES", 64 * 1024 * 1024)
+ROUTER_MAX_EVENT_BYTES = env_int("ROUTER_MAX_EVENT_BYTES", 8 * 1024 * 1024)
+ROUTER_MAX_PROMPT_LOGPROB_ENTRIES = env_int("ROUTER_MAX_PROMPT_LOGPROB_ENTRIES", 262_144)
 # Prompts waiting to be tokenized, and how long one waits; past either, the request is routed on load alone.
 ROUTER_TOKENIZE_QUEUE = env_int("ROUTER_TOKENIZE_QUEUE", 64)
 ROUTER_TOKENIZE_WAIT_SECONDS = float(env_secret("ROUTER_TOKENIZE_WAIT_SECONDS") or 2.0)

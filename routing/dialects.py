@@ -86,6 +86,20 @@ class Dialect:
             bool(usage),
         )
 
+    def usage_from_tail(self, body: bytes) -> Usage:
+        """The usage of an answer sent whole, read from its bytes without parsing the rest: the last `"usage":{`
+        (a string in the JSON cannot hold it, its quotes being escaped there; vLLM writes the usage after the
+        choices and output, and before prompt logprobs, whose keys are token ids)."""
+        at = body.rfind(b'"usage":{')
+        match = USAGE_OBJECT.match(body, at) if at >= 0 else None
+        if match is None:
+            return Usage()
+        try:
+            usage = orjson.loads(match.group(1))
+        except orjson.JSONDecodeError:
+            return Usage()
+        return self.usage_from_body({"usage": usage})
+
     def carries_usage(self, event: bytes) -> bool:
         """Whether this stream event is the one with the final usage: a byte test, cheap for every event."""
         return b'"usage"' in event and b'"choices":[]' in event
@@ -265,6 +279,8 @@ class ResponsesDialect(Dialect):
 # string in the JSON cannot hold the marker, its quotes being escaped there; the usage object holds no string
 # but its keys.
 RUNNING_USAGE = re.compile(rb',"usage":\{[^{}\n]*(?:\{[^{}\n]*\}[^{}\n]*)*\}')
+# `"usage":{...}` of an answer: counts, nulls, lists and objects of them, two levels deep at most.
+USAGE_OBJECT = re.compile(rb'"usage":(\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\})')
 
 
 def _int_after(data: bytes, marker: bytes) -> int | None:

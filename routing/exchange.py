@@ -10,7 +10,7 @@ import time
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, NamedTuple
 
-import orjson
+from django.conf import settings
 
 from . import metrics
 from .admission import cost_units
@@ -23,13 +23,26 @@ from .framework import RequestContext
 from .load import RECENT_WINDOW_S, EndpointLoad, Prefill
 from .state import DeploymentInfo, KeyInfo
 from .steps import request_weight
-from .upstream import Response, StallWatch, UpstreamConnectError, UpstreamError, UpstreamTimeout
+from .upstream import (
+    AnswerTooLarge,
+    Response,
+    StallWatch,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamTimeout,
+)
 from .wire import JSON_HEADERS, Receive, Send, encode_headers, respond
 
 if TYPE_CHECKING:
     from .app import Router
 
 log = logging.getLogger(__name__)
+
+# An answer over the limit is read on for its usage: this many bytes from the usage marker on are kept.
+USAGE_BYTES = 4096
+USAGE_MARKER = b'"usage":{'
+# An engine's error answer is read up to this much (it is a message, not an answer).
+ERROR_BODY_BYTES = 1024 * 1024
 
 
 class RequestInfo(NamedTuple):
@@ -92,6 +105,8 @@ class Exchange:
         self.queued_s: float | None = None  # how long it waited for that turn
         # A client that did not ask for a stream gets the engine's stream assembled (routing/assemble.py).
         self.assembler: Assembler | None = None
+        self.max_answer_bytes = settings.ROUTER_MAX_ANSWER_BYTES
+        self.max_event_bytes = settings.ROUTER_MAX_EVENT_BYTES
 
     @property
     def model(self) -> str:
@@ -301,14 +316,14 @@ class Exchange:
                     self.http_status = resp.status
                     if resp.status >= 500:
                         self.dispatched = False
-                        await resp.read()
+                        await resp.read(ERROR_BODY_BYTES)
                         metrics.of(metrics.errors, self.model, "upstream_5xx").inc()
                         return "engine_5xx"
                     if resp.status in (401, 403):
                         # The engine refused the router's own key (a rotation not everywhere yet): the router's
                         # fault, not the client's key. Another engine is tried, then the client gets a 502.
                         self.dispatched = False
-                        await resp.read()
+                        await resp.read(ERROR_BODY_BYTES)
                         metrics.of(metrics.errors, self.model, "engine_auth").inc()
                         log.error(
                             "an engine of %s refused the router's engine key (%s)", self.model, resp.status
@@ -328,6 +343,11 @@ class Exchange:
         except UpstreamConnectError:
             self.dispatched = False
             raise
+        except AnswerTooLarge:
+            # An error answer over ERROR_BODY_BYTES: not an engine's message, a broken engine.
+            self.dispatched = False
+            metrics.of(metrics.errors, self.model, "upstream_5xx").inc()
+            return "engine_5xx"
         except TimeoutError:
             if self.first_byte_at is not None:
                 raise  # handled in the relay; not reached
@@ -369,13 +389,26 @@ class Exchange:
         ]
 
     async def _relay_body(self, resp: Response) -> None:
-        body = await resp.read()
+        """An answer the engine sent whole: relayed as it came, its usage read from its last bytes (a body of
+        prompt logprobs can be a hundred megabytes: it is neither parsed whole nor held past
+        ROUTER_MAX_ANSWER_BYTES)."""
+        body, tail = await self._read_answer(resp)
         self._first_byte()
-        try:
-            answer = orjson.loads(body)
-        except orjson.JSONDecodeError:
-            answer = None
-        if not isinstance(answer, dict):
+        dialect = self.request.dialect
+        if body is None:
+            # The engine did the work: billed by its own count, and the client told to ask for less.
+            metrics.of(metrics.errors, self.model, "answer_too_large").inc()
+            self.usage = dialect.usage_from_tail(tail)
+            self.status = "failed"
+            self.http_status = 502
+            await self.complete()
+            message = (
+                f"The answer is over {self.max_answer_bytes} bytes, more than this gateway relays. Ask for fewer "
+                "logprobs or fewer tokens, or stream it."
+            )
+            return await respond(self.send, 502, dialect.error_body(502, message), self._error_headers())
+        stripped = body.strip()
+        if not (stripped.startswith(b"{") and stripped.endswith(b"}")):
             # Not an answer any client can read: the engine (or something in front of it) is broken.
             self.dispatched = False
             self.http_status = 502
@@ -384,15 +417,34 @@ class Exchange:
             message = f"The model `{self.model}`'s engine gave an answer that is not JSON. Retry shortly."
             error = self.request.dialect.error_body(502, message)
             return await respond(self.send, 502, error, self._error_headers())
-        self.usage = self.request.dialect.usage_from_body(answer)
+        self.usage = dialect.usage_from_tail(body)
         self.status = "completed"
         await self.complete()
         await respond(self.send, resp.status, body, self._response_headers(resp))
 
+    async def _read_answer(self, resp: Response) -> tuple[bytes | None, bytes]:
+        """The engine's whole answer, or None past ROUTER_MAX_ANSWER_BYTES with the bytes from the last
+        `"usage":{` on (the answer read to its end either way, held no further than the limit)."""
+        chunks: list[bytes] = []
+        size, limit = 0, self.max_answer_bytes
+        usage = b""  # past the limit: the bytes from the last usage marker seen, up to USAGE_BYTES of them
+        async for chunk in resp.chunks():
+            size += len(chunk)
+            if size <= limit:
+                chunks.append(chunk)
+                continue
+            if chunks:  # the limit is crossed: from now on only the usage is looked for
+                usage = _usage_bytes(b"", b"".join(chunks))
+                chunks = []
+            usage = _usage_bytes(usage, chunk)
+        if size > limit:
+            return None, usage
+        return b"".join(chunks), b""
+
     async def _relay_refusal(self, resp: Response, base_url: str) -> str | None:
         """An engine's answer below 500 other than 200, passed on in the client's dialect
         (routing/engine_errors.py); "route_missing" when the engine lacks the route, for another to try."""
-        answer = refusal(self.request.dialect, resp.status, await resp.read(), base_url)
+        answer = refusal(self.request.dialect, resp.status, await resp.read(ERROR_BODY_BYTES), base_url)
         if answer.route_missing:
             return "route_missing"
         self._first_byte()
@@ -414,12 +466,16 @@ class Exchange:
         dialect = self.request.dialect
         strip = dialect is OPENAI and not self.request.running_usage
         client_wants_usage = self.request.client_wants_usage
-        buffer = b""
+        # The bytes of an event not yet whole: kept as the pieces that came, each searched once for the end of
+        # an event (a 30 MB event in small pieces is not searched and copied again with every piece).
+        pending: list[bytes] = []
+        pending_size = 0
+        max_event = self.max_event_bytes
         chunks = resp.chunks().__aiter__()
         try:
             while True:
                 try:
-                    if self.first_byte_at is None and not buffer:
+                    if self.first_byte_at is None and not pending:
                         chunk = await anext(chunks)  # under the first-token deadline
                         deadline.reschedule(None)
                     else:
@@ -435,11 +491,18 @@ class Exchange:
                         metrics.of(metrics.errors, self.model, "stall_timeout").inc()
                     stall.check()
                     raise
-                buffer += chunk
-                end = buffer.rfind(b"\n\n") + 2
-                if end < 2:
+                # An event's end may straddle two pieces: the last byte before this piece is searched with it.
+                tail = pending[-1][-1:] if pending else b""
+                end = (tail + chunk if tail else chunk).rfind(b"\n\n") + 2 - len(tail)
+                if end < 2 - len(tail):
+                    pending.append(chunk)
+                    pending_size += len(chunk)
+                    if pending_size > max_event:
+                        raise AnswerTooLarge(max_event)
                     continue
-                whole, buffer = buffer[:end], buffer[end:]
+                whole = b"".join((*pending, chunk[:end])) if pending else chunk[:end]
+                rest = chunk[end:]
+                pending, pending_size = ([rest], len(rest)) if rest else ([], 0)
                 plain = dialect.plain_prefix(whole)
                 out = []
                 if plain:
@@ -481,6 +544,14 @@ class Exchange:
             return await self._assembly_failed(
                 exc.status, f"The engine failed in the middle of the answer: {exc}"
             )
+        except AnswerTooLarge as exc:
+            # The engine took the request and is answering: not tried elsewhere, billed what it did.
+            metrics.of(metrics.errors, self.model, "answer_too_large").inc()
+            message = f"The answer has an event {exc}, more than this gateway relays. Ask for fewer logprobs"
+            if self.assembler is not None or not self.response_started:
+                self.assembler = self.assembler or ASSEMBLERS[self.request.scope["path"]]()
+                return await self._assembly_failed(502, message)
+            return await self._stream_failed(resp, message)
         except UpstreamError as exc:
             if self.assembler is not None:
                 if self.first_byte_at is None:
@@ -493,32 +564,29 @@ class Exchange:
             if not self.response_started:
                 raise  # nothing reached the client: another engine may serve it
             # The engine died or stalled mid-stream: tell the client in its dialect, bill what was streamed.
-            metrics.of(metrics.errors, self.model, "midstream").inc()
-            self.usage.output_tokens = max(self.usage.output_tokens, self.streamed_events)
-            self.status = "failed"
-            self.http_status = 502
-            await self.complete()
-            await self._start_response(resp)
-            await self.send(
-                {
-                    "type": "http.response.body",
-                    "more_body": False,
-                    "body": dialect.stream_error_event(
-                        502,
-                        f"The engine stopped in the middle of the answer ({exc}). "
-                        "The tokens received so far are billed; retry to get a full answer.",
-                    ),
-                }
-            )
-            return
+            return await self._stream_failed(resp, f"The engine stopped in the middle of the answer ({exc})")
+        rest = b"".join(pending)
         if self.assembler is not None:
-            return await self._assembled(buffer)
-        if buffer.strip():
-            await self._send_events(resp, buffer)
+            return await self._assembled(rest)
+        if rest.strip():
+            await self._send_events(resp, rest)
         self.status = "completed"
         await self.complete()
         await self._start_response(resp)
         await self.send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _stream_failed(self, resp: Response, message: str) -> None:
+        """A stream the client is reading failed midway: an error event in its dialect ends it, and what was
+        streamed is billed."""
+        metrics.of(metrics.errors, self.model, "midstream").inc()
+        self.usage.output_tokens = max(self.usage.output_tokens, self.streamed_events)
+        self.status = "failed"
+        self.http_status = 502
+        await self.complete()
+        await self._start_response(resp)
+        message += ". The tokens received so far are billed; retry to get a full answer."
+        body = self.request.dialect.stream_error_event(502, message)
+        await self.send({"type": "http.response.body", "more_body": False, "body": body})
 
     async def _assembled(self, rest: bytes) -> None:
         """The stream is over: the client gets the whole answer as one JSON body, once it is settled."""
@@ -644,3 +712,16 @@ class Exchange:
             priority_class=request.priority,
             queued_ms=round(self.queued_s * 1000) if self.queued_s is not None else None,
         )
+
+
+def _usage_bytes(kept: bytes, chunk: bytes) -> bytes:
+    """`kept` (the bytes from the last usage marker so far, or the end of the answer before `chunk`) with
+    `chunk` looked at: from a later marker when it holds one (or one that straddles the two), else `kept`
+    topped up to USAGE_BYTES."""
+    joined = kept[-len(USAGE_MARKER) :] + chunk
+    at = joined.rfind(USAGE_MARKER)
+    if at >= 0:
+        return joined[at : at + USAGE_BYTES]
+    if kept.startswith(USAGE_MARKER) and len(kept) < USAGE_BYTES:
+        return (kept + chunk)[:USAGE_BYTES]
+    return kept if kept.startswith(USAGE_MARKER) else joined[-len(USAGE_MARKER) :]

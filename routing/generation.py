@@ -12,6 +12,7 @@ from array import array
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
+from django.conf import settings
 from redis.exceptions import RedisError
 
 from . import metrics
@@ -28,6 +29,7 @@ from .requests import (
     dumps,
     engine_fields,
     over_context,
+    over_logprob_limit,
     parse,
     priority_for,
     read_body,
@@ -179,7 +181,9 @@ async def generate(router: Router, scope: dict, receive: Receive, send: Send, di
         assemble,
     )
     exchange = Exchange(router, request, receive, send)
-    too_long = over_context(deployment, payload, ctx, path)
+    too_long = over_context(deployment, payload, ctx, path) or over_logprob_limit(
+        payload, ctx, path, input_bound, settings.ROUTER_MAX_PROMPT_LOGPROB_ENTRIES
+    )
     try:
         if too_long is not None:
             # Refused before any speculative index entry is written; the reservation is settled to nothing.

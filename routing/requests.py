@@ -352,6 +352,38 @@ def over_context(
     return None
 
 
+def over_logprob_limit(
+    payload: dict, ctx: RequestContext, path: str, input_bound: int, max_entries: int
+) -> HttpError | None:
+    """Prompt logprobs make an answer of some 70 bytes per prompt token and logprob, which the engine sends whole
+    (they cannot be streamed): `prompt_logprobs`, or a completion's `echo` with `logprobs`. A request may ask
+    for ROUTER_MAX_PROMPT_LOGPROB_ENTRIES of them (prompt tokens x (logprobs + 1)), the prompt counted by the
+    router (or bounded by its bytes when it was not)."""
+    asked, field = payload.get("prompt_logprobs"), "prompt_logprobs"
+    if asked is None and path == "/v1/completions" and payload.get("echo"):
+        asked, field = payload.get("logprobs"), "logprobs"
+    if not isinstance(asked, int) or isinstance(asked, bool):
+        return None
+    if asked < 0:
+        return HttpError(
+            400,
+            f"`{field}: {asked}` asks for the whole vocabulary's logprobs at every prompt token. Ask for a "
+            "number of them (0 for the prompt tokens' own).",
+            field,
+        )
+    prompt = ctx.prompt_tokens_estimate or input_bound
+    entries = prompt * (asked + 1)
+    if entries <= max_entries:
+        return None
+    counted = "is" if ctx.prompt_tokens_estimate else "may be up to"
+    return HttpError(
+        400,
+        f"The prompt {counted} {prompt} tokens, and `{field}: {asked}` asks for {asked + 1} logprobs at each: "
+        f"{entries} in all, over this gateway's limit of {max_entries}. Ask for fewer, or send a shorter prompt.",
+        field,
+    )
+
+
 def output_limit(payload: dict, path: str) -> tuple[str, object]:
     """The output limit the engine reads on this route, and its field: vLLM reads `max_completion_tokens` (else
     `max_tokens`) on chat completions, `max_tokens` on completions and messages, `max_output_tokens` on

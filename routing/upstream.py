@@ -159,6 +159,15 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
 
+class AnswerTooLarge(Exception):
+    """An engine's answer, or one event of its stream, over what the router holds (ROUTER_MAX_ANSWER_BYTES,
+    ROUTER_MAX_EVENT_BYTES)."""
+
+    def __init__(self, limit: int):
+        super().__init__(f"over {limit} bytes")
+        self.limit = limit
+
+
 class Response:
     """One engine response: `status` and `header()` once the head arrived, then `chunks()` or `read()`."""
 
@@ -206,8 +215,15 @@ class Response:
             finally:
                 self._waiter = None
 
-    async def read(self) -> bytes:
-        return b"".join([chunk async for chunk in self.chunks()])
+    async def read(self, limit: int | None = None) -> bytes:
+        """The whole body; AnswerTooLarge past `limit` bytes (the rest is not read)."""
+        chunks, size = [], 0
+        async for chunk in self.chunks():
+            size += len(chunk)
+            if limit is not None and size > limit:
+                raise AnswerTooLarge(limit)
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     # fed by the connection
     def _feed(self, body: bytes) -> None:

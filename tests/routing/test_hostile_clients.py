@@ -203,7 +203,9 @@ def test_an_answer_not_streamed_that_the_client_gives_up_on_pays_for_its_prompt(
         time.sleep(0.1)
     assert len(events) == 1, events
     (event,) = events
-    assert event.prompt_tokens == prompt and event.output_tokens == 0
+    # The router streams from the engine for a client that does not stream: the tokens the engine made before
+    # the client hung up are billed too (its running count), not only the prompt.
+    assert event.prompt_tokens == prompt and event.output_tokens > 0
 
 
 def test_usage_reaches_the_client_in_the_chunks_it_asked_for(fleet):
