@@ -211,46 +211,54 @@ def public_fields(payload: dict, path: str) -> tuple[dict, list[str]]:
     return kept, sorted(name for name in payload if name not in allowed)
 
 
-def remote_media(payload: dict, path: str) -> str | None:
-    """The first media part that names a URL for the engine to fetch (rather than carrying its data), as
-    `messages[i].content[j]`, or None. An engine fetching a client's URL would reach whatever the engine's
-    network reaches."""
-    if path == "/v1/responses":
-        items = payload.get("input")
-        where = "input"
-    else:
-        items = payload.get("messages")
-        where = "messages"
-    if not isinstance(items, list):
+# A media part names its media by key, whether or not it has a `type` (vLLM reads `{"image_url": ...}` without
+# one as an image): a URL under one of these keys, or an Anthropic `source` of type `url`, is fetched by the engine.
+MEDIA_URL_KEYS = ("image_url", "audio_url", "video_url", "file_url")
+# In a request's JSON, a key or a `type` value that may name a URL to fetch (inside a string the quotes are
+# escaped, so a text cannot hold these): a request without any is not walked.
+MEDIA_URL_MARKERS = (b'_url"', b'"type":"url"', b'"type": "url"')
+# A model's tool call carries its arguments under `input`: what they name is not media for the engine.
+TOOL_CALLS = frozenset({"tool_use", "server_tool_use"})
+
+
+def remote_media(payload: dict, path: str, body: bytes | None = None) -> str | None:
+    """Where the first media part that names a URL for the engine to fetch (rather than carrying its data) is,
+    as `messages[i].content[j]`, or None. Every part at any depth of the conversation counts (tool results and
+    Responses tool outputs too), typed or not. `body`: the request's JSON, to skip the walk when it holds no
+    marker of a URL. An engine fetching a client's URL would reach whatever the engine's network reaches."""
+    if body is not None and not any(marker in body for marker in MEDIA_URL_MARKERS):
         return None
-    for i, message in enumerate(items):
-        content = message.get("content") if isinstance(message, dict) else None
-        if not isinstance(content, list):
-            continue
-        for j, part in enumerate(content):
-            if _fetches(part):
-                return f"{where}[{i}].content[{j}]"
-            if isinstance(part, dict) and isinstance(part.get("content"), list):  # an Anthropic tool_result
-                for k, item in enumerate(part["content"]):
-                    if _fetches(item):
-                        return f"{where}[{i}].content[{j}].content[{k}]"
+    where = "input" if path == "/v1/responses" else "messages"
+    return _fetching_part(payload.get(where), where)
+
+
+def _fetching_part(value, where: str) -> str | None:
+    if isinstance(value, list):
+        for index, item in enumerate(value):
+            if isinstance(item, dict | list):
+                found = _fetching_part(item, f"{where}[{index}]")
+                if found is not None:
+                    return found
+        return None
+    if not isinstance(value, dict):
+        return None
+    if _fetches(value):
+        return where
+    call = value.get("type") in TOOL_CALLS
+    for name, item in value.items():
+        if isinstance(item, dict | list) and not (call and name == "input"):
+            found = _fetching_part(item, f"{where}.{name}")
+            if found is not None:
+                return found
     return None
 
 
-def _fetches(part) -> bool:
-    if not isinstance(part, dict):
-        return False
-    kind = part.get("type")
-    if kind in ("image_url", "audio_url", "video_url"):
-        value = part.get(kind)
-        url = value.get("url") if isinstance(value, dict) else value
-        return isinstance(url, str) and not url.startswith("data:")
-    if kind == "input_image":
-        url = part.get("image_url")
-        return isinstance(url, str) and not url.startswith("data:")
-    if kind in ("image", "document"):
-        source = part.get("source")
-        return isinstance(source, dict) and source.get("type") == "url"
-    if kind == "file":
-        return isinstance(part.get("file_url"), str)
-    return False
+def _fetches(part: dict) -> bool:
+    for name in MEDIA_URL_KEYS:
+        value = part.get(name)
+        if value is not None:
+            url = value.get("url") if isinstance(value, dict) else value
+            if isinstance(url, str) and not url.startswith("data:"):
+                return True
+    source = part.get("source")
+    return isinstance(source, dict) and source.get("type") == "url"

@@ -58,7 +58,7 @@ async def generate(router: Router, scope: dict, receive: Receive, send: Send, di
         deployment = deployment_for(router.snapshot, payload, key)
         priority = priority_for(scope, key)
         session = session_key(scope, payload, key.tenant_id)
-        payload = engine_fields(payload, path, key)
+        payload = engine_fields(payload, path, key, body)
         prompt_ids = token_ids(payload.get("prompt"))  # a prompt of token ids, converted once
         input_bound, output_bound = validate(
             payload,

@@ -156,7 +156,7 @@ def priority_for(scope: dict, key: KeyInfo) -> str:
     return asked
 
 
-def engine_fields(payload: dict, path: str, key: KeyInfo) -> dict:
+def engine_fields(payload: dict, path: str, key: KeyInfo, body: bytes | None = None) -> dict:
     """The request cut down to what the public API of its route defines (routing/fields.py), with the
     engine-internal fields set by the router: the tenant's cache salt."""
     try:
@@ -166,7 +166,7 @@ def engine_fields(payload: dict, path: str, key: KeyInfo) -> dict:
     if dropped:
         metrics.dropped_fields.inc(len(dropped))
         log.debug("dropped fields %s from a request to %s", dropped, path)
-    remote = remote_media(payload, path)
+    remote = remote_media(payload, path, body)
     if remote is not None:
         raise HttpError(
             400,
