@@ -382,6 +382,15 @@ KUBERNETES_API_RETRIES = env_int("KUBERNETES_API_RETRIES", 3)
 KUBERNETES_API_BACKOFF_S = float(env_secret("KUBERNETES_API_BACKOFF_S") or 0.5)
 KUBERNETES_API_TIMEOUT_S = float(env_secret("KUBERNETES_API_TIMEOUT_S") or 10.0)
 
+# What engines may reach on a tenant's behalf (README "Security").
+# Engine pods send only to the cluster DNS and to the other pods of their own deployment; these CIDRs are added
+# for what else they need, such as a model mirror or an HTTP proxy for the weights (the Hugging Face hub is not
+# reachable otherwise). Link-local addresses (cloud metadata) stay refused even inside them.
+KUBERNETES_ENGINE_EGRESS_CIDRS = env_list("KUBERNETES_ENGINE_EGRESS_CIDRS", [])
+# Hosts a vLLM engine of a model that takes images, audio or video may fetch media URLs from (vLLM's
+# --allowed-media-domains). Empty: none at all, so media must come inline as data: URLs.
+ENGINE_ALLOWED_MEDIA_DOMAINS = env_list("ENGINE_ALLOWED_MEDIA_DOMAINS", [])
+
 # The portal's live-traffic WebSocket is served by the web process (inference_platform/web_asgi.py), beside the
 # portal's pages and behind the same session cookie; never by the router. Empty: the page's own host and port;
 # ":PORT": the page's host on that port; or a full ws:// or wss:// URL.

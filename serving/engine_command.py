@@ -14,6 +14,7 @@ from pathlib import Path
 
 from django.conf import settings
 
+from .model_families import model_folder
 from .models import EngineKind, KvConnector, ModelDeployment, Pool, PoolRole, SpeculativeMethod
 
 ENGINE_HOST = "127.0.0.1"
@@ -161,6 +162,40 @@ def chat_format_args(deployment: ModelDeployment) -> list[str]:
     return argv
 
 
+# What in a model's config.json says it has an image, audio or video encoder (as the router reads it too).
+MEDIA_CONFIG_KEYS = ("vision_config", "audio_config", "vision_tower", "mm_projector_type")
+# vLLM takes an empty --allowed-media-domains for "any domain" (multimodal/media/connector.py), so "none" is a
+# name under .invalid, which no resolver answers (RFC 6761): the engine refuses every other host before fetching.
+NO_MEDIA_DOMAIN = "none.invalid"
+
+
+def takes_media(deployment: ModelDeployment) -> bool:
+    """Whether the deployment's engines may be sent images, audio or video, and so asked to fetch media URLs.
+
+    Read from the model's folder where it is here (an encoder in config.json, or a preprocessor config); a model
+    named by hub id alone cannot be ruled out, so it counts as taking media."""
+    folder = model_folder(deployment.model_source)
+    if folder is None:
+        return True
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return True
+    if not isinstance(config, dict) or any(key in config for key in MEDIA_CONFIG_KEYS):
+        return True
+    folders = [folder, model_folder(deployment.tokenizer) if deployment.tokenizer else None]
+    return any(f is not None and (f / "preprocessor_config.json").exists() for f in folders)
+
+
+def media_args(deployment: ModelDeployment) -> list[str]:
+    """vLLM's media URL allow-list for a model that takes media (settings.ENGINE_ALLOWED_MEDIA_DOMAINS; none by
+    default, so media arrives inline as data: URLs). The simulator fetches no URLs and takes no such flag."""
+    if deployment.engine_kind == EngineKind.SIM or not takes_media(deployment):
+        return []
+    domains = [domain.lower() for domain in settings.ENGINE_ALLOWED_MEDIA_DOMAINS] or [NO_MEDIA_DOMAIN]
+    return ["--allowed-media-domains", *domains]
+
+
 # vLLM's logits processor that ends answers on dummy weights (the module runs in the engine's own environment).
 ANSWER_LENGTH_PROCESSOR = "serving.engine_plugins.answer_length:AnswerLength"
 
@@ -212,6 +247,8 @@ def render_engine_command(*, deployment: ModelDeployment, pool: Pool, ports: Eng
     if settings.LOCAL_ENGINE_LOAD_FORMAT:
         argv += ["--load-format", settings.LOCAL_ENGINE_LOAD_FORMAT]
     argv += chat_format_args(deployment)
+    media = media_args(deployment)
+    argv += media
     # vLLM refuses custom logits processors beside speculative decoding: such a pool's answers run to max_tokens.
     speculative = speculative_config(pool) is not None or "--speculative-config" in (
         pool.extra_engine_args or []
@@ -255,6 +292,9 @@ def render_engine_command(*, deployment: ModelDeployment, pool: Pool, ports: Eng
             "PYTHONPATH": str(settings.BASE_DIR),
             "PLATFORM_ANSWER_LENGTH": str(settings.DUMMY_ANSWER_LENGTH),
         }
+    if media:
+        # vLLM checks the domain of the URL it is given, not of where a redirect leads.
+        env["VLLM_MEDIA_URL_ALLOW_REDIRECTS"] = "0"
     if nixl:
         env |= {
             "UCX_NET_DEVICES": "lo",

@@ -2,9 +2,9 @@
 
 Per deployment: a root ConfigMap that owns everything else (delete it and the cluster's garbage collector
 removes the rest), a Secret with the engines' API key, a NetworkPolicy that lets only the platform's own pods
-in, and optionally one InferencePool for a Gateway API inference gateway. Per pool: a Deployment (one node per
-replica) or a LeaderWorkerSet (several nodes per replica: wide expert parallelism with data-parallel attention),
-and a headless Service for discovery.
+in, another that lets the engines out only to DNS and to each other, and optionally one InferencePool for a
+Gateway API inference gateway. Per pool: a Deployment (one node per replica) or a LeaderWorkerSet (several
+nodes per replica: wide expert parallelism with data-parallel attention), and a headless Service for discovery.
 
 The engine's arguments come from engine_command.render_engine_command, the same renderer the local orchestrator
 uses; only what differs in a pod is changed: it listens on all addresses, the model path is taken as given, and
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import ipaddress
 import json
 import shlex
 
@@ -73,6 +74,15 @@ ROUTER_PODS = "router"
 WORKER_PODS = "worker"  # scrapes the engines' /metrics (routing/load_scraper.py)
 KV_INGESTER_PODS = "kv-ingester"
 DEFAULT_PLATFORM_NAMESPACE = "inference-platform"
+# The cluster DNS, as kubeadm, EKS, GKE and AKS label CoreDNS (or kube-dns).
+DNS_NAMESPACE = "kube-system"
+DNS_POD_LABELS = {"k8s-app": "kube-dns"}
+DNS_PORT = 53
+# Never a destination of an engine, whatever the operator opens: the link-local ranges, where cloud metadata
+# services answer (169.254.169.254), and EC2's IPv6 metadata address.
+NEVER_REACHED = tuple(
+    ipaddress.ip_network(cidr) for cidr in ("169.254.0.0/16", "fe80::/10", "fd00:ec2::254/128")
+)
 
 
 def namespace_of(deployment: ModelDeployment) -> str:
@@ -111,6 +121,15 @@ def engine_key_secret_name(deployment: ModelDeployment) -> str:
 
 def network_policy_name(deployment: ModelDeployment) -> str:
     return f"{deployment.name}-engines"
+
+
+def egress_policy_name(deployment: ModelDeployment) -> str:
+    return f"{deployment.name}-engines-egress"
+
+
+def engine_pods(deployment: ModelDeployment) -> dict:
+    """Every engine pod of the deployment, whatever its pool or role, and no other pod."""
+    return {"matchLabels": {LABEL_DEPLOYMENT: deployment.name}}
 
 
 def pool_selector(deployment: ModelDeployment, pool: Pool) -> dict[str, str]:
@@ -200,9 +219,8 @@ def render_network_policy(deployment: ModelDeployment, owner: dict | None) -> di
     ]
     if any(pool.enable_kv_events for pool in pools):
         ingress.append({"from": [_platform_pods(KV_INGESTER_PODS)], "ports": [_tcp(KV_EVENTS_PORT)]})
-    if any(_nixl(pool) or pool.nodes_per_replica > 1 for pool in pools):
-        own = {"podSelector": {"matchLabels": {LABEL_DEPLOYMENT: deployment.name}}}
-        ingress.append({"from": [own], "ports": [_tcp(1, HTTP_PORT - 1), _tcp(HTTP_PORT + 1, 65535)]})
+    if _peers_talk(pools):
+        ingress.append({"from": [{"podSelector": engine_pods(deployment)}], "ports": _all_but_http()})
     api_version, kind = NETWORK_POLICY_API
     return {
         "apiVersion": api_version,
@@ -210,11 +228,73 @@ def render_network_policy(deployment: ModelDeployment, owner: dict | None) -> di
         "metadata": _meta(
             network_policy_name(deployment), namespace_of(deployment), deployment_labels(deployment), owner
         ),
-        "spec": {
-            "podSelector": {"matchLabels": {LABEL_DEPLOYMENT: deployment.name}},
-            "policyTypes": ["Ingress"],
-            "ingress": ingress,
-        },
+        "spec": {"podSelector": engine_pods(deployment), "policyTypes": ["Ingress"], "ingress": ingress},
+    }
+
+
+def _peers_talk(pools: list[Pool]) -> bool:
+    """Whether the deployment's pods talk to each other: NIXL between pools, or the nodes of a LeaderWorkerSet."""
+    return any(_nixl(pool) or pool.nodes_per_replica > 1 for pool in pools)
+
+
+def _all_but_http() -> list[dict]:
+    return [_tcp(1, HTTP_PORT - 1), _tcp(HTTP_PORT + 1, 65535)]
+
+
+def _ip_block(cidr: str) -> dict:
+    """An operator-opened range, less the addresses no engine may reach inside it."""
+    try:
+        network = ipaddress.ip_network(cidr, strict=False)
+    except ValueError as exc:
+        raise UnsupportedEngineOption(f"KUBERNETES_ENGINE_EGRESS_CIDRS: {cidr!r} is no CIDR") from exc
+    same_family = [denied for denied in NEVER_REACHED if denied.version == network.version]
+    if any(network.subnet_of(denied) for denied in same_family):
+        raise UnsupportedEngineOption(
+            f"KUBERNETES_ENGINE_EGRESS_CIDRS: {cidr} is link-local or cloud metadata, which engines never reach"
+        )
+    block: dict = {"cidr": str(network)}
+    inside = [str(denied) for denied in same_family if denied.subnet_of(network)]
+    if inside:
+        block["except"] = inside
+    return block
+
+
+def render_egress_policy(deployment: ModelDeployment, owner: dict | None) -> dict:
+    """Where the deployment's engine pods may send: nowhere a tenant's request could name on its own.
+
+    - the cluster DNS (UDP and TCP 53): a LeaderWorkerSet's workers find their leader by name, and the weights'
+      host (below) is named too;
+    - the deployment's own pods, when they talk to each other (NIXL side channels and transfers, data-parallel
+      RPC, torch.distributed), on every port but HTTP, as the ingress policy lets them in;
+    - the ranges in settings.KUBERNETES_ENGINE_EGRESS_CIDRS (a model mirror or proxy), less NEVER_REACHED.
+    Nothing of the platform's own namespace: the router, the worker and the KV-event ingester connect to the
+    engines (ZMQ events are published on a socket the engine binds), never the other way. So cloud metadata,
+    the platform's Postgres and Redis, other deployments' engines and the internet are out of reach, whatever
+    URL a request carries.
+    """
+    dns = {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": DNS_NAMESPACE}},
+        "podSelector": {"matchLabels": dict(DNS_POD_LABELS)},
+    }
+    egress = [
+        {
+            "to": [dns],
+            "ports": [{"protocol": "UDP", "port": DNS_PORT}, {"protocol": "TCP", "port": DNS_PORT}],
+        }
+    ]
+    if _peers_talk(list(deployment.pools.all())):
+        egress.append({"to": [{"podSelector": engine_pods(deployment)}], "ports": _all_but_http()})
+    blocks = [_ip_block(cidr) for cidr in settings.KUBERNETES_ENGINE_EGRESS_CIDRS]
+    if blocks:
+        egress.append({"to": [{"ipBlock": block} for block in blocks]})
+    api_version, kind = NETWORK_POLICY_API
+    return {
+        "apiVersion": api_version,
+        "kind": kind,
+        "metadata": _meta(
+            egress_policy_name(deployment), namespace_of(deployment), deployment_labels(deployment), owner
+        ),
+        "spec": {"podSelector": engine_pods(deployment), "policyTypes": ["Egress"], "egress": egress},
     }
 
 
@@ -256,8 +336,9 @@ def engine_args(deployment: ModelDeployment, pool: Pool) -> tuple[list[str], dic
         argv[index] = argv[index].replace("$", "$$")
     # Only what an engine in a pod needs; the rest of the local environment is about CPU engines on loopback.
     env = {"PYTHONHASHSEED": command.env["PYTHONHASHSEED"]}
-    if "VLLM_NIXL_SIDE_CHANNEL_PORT" in command.env:
-        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = command.env["VLLM_NIXL_SIDE_CHANNEL_PORT"]
+    for name in ("VLLM_NIXL_SIDE_CHANNEL_PORT", "VLLM_MEDIA_URL_ALLOW_REDIRECTS"):
+        if name in command.env:
+            env[name] = command.env[name]
     return argv + extra, env
 
 
@@ -562,9 +643,13 @@ def render_pool(
 
 
 def render_engine_access(deployment: ModelDeployment, owner: dict | None) -> list[dict]:
-    """The engines' key and network policy: kept for as long as the deployment exists, running or stopped,
+    """The engines' key and network policies: kept for as long as the deployment exists, running or stopped,
     so that pods still shutting down stay guarded and a restart finds them in place."""
-    return [render_engine_key(deployment, owner), render_network_policy(deployment, owner)]
+    return [
+        render_engine_key(deployment, owner),
+        render_network_policy(deployment, owner),
+        render_egress_policy(deployment, owner),
+    ]
 
 
 def render_children(

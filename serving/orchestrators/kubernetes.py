@@ -127,7 +127,8 @@ class KubernetesOrchestrator(Orchestrator):
             )
         running = deployment.desired_status == DesiredStatus.RUNNING
         try:
-            # Rendered once up front (with a stand-in owner) so a bad pool changes nothing on the cluster.
+            # Rendered once up front (with a stand-in owner) so a bad pool or setting changes nothing on the cluster.
+            render.render_engine_access(deployment, owner=None)
             render.render_children(deployment, owner=None) if running else []
         except UnsupportedEngineOption as exc:
             return ReconcileResult(ObservedStatus.FAILED, f"Cannot render: {exc}.")

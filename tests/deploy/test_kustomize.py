@@ -136,14 +136,19 @@ def test_only_the_worker_may_use_the_api_and_only_for_what_the_orchestrator_mana
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_the_engines_namespaces_refuse_every_ingress_no_policy_allows(overlay):
+def test_the_engines_namespaces_refuse_every_ingress_and_egress_no_policy_allows(overlay):
     objects = rendered(overlay)
     config = find(objects, "ConfigMap", "platform-config")["data"]
-    policies = {
-        obj["metadata"]["namespace"]: obj["spec"] for obj in objects if obj["kind"] == "NetworkPolicy"
-    }
     for namespace in config["KUBERNETES_NAMESPACES"].split(","):
-        assert policies[namespace] == {"podSelector": {}, "policyTypes": ["Ingress"]}
+        policies = [
+            obj["spec"]
+            for obj in objects
+            if obj["kind"] == "NetworkPolicy" and obj["metadata"]["namespace"] == namespace
+        ]
+        assert sorted(policies, key=lambda spec: spec["policyTypes"]) == [
+            {"podSelector": {}, "policyTypes": ["Egress"]},
+            {"podSelector": {}, "policyTypes": ["Ingress"]},
+        ]
 
 
 def _selected(objects, peer: dict) -> list[str]:

@@ -213,6 +213,7 @@ def test_it_creates_the_objects_with_server_side_apply_under_one_field_manager(c
         ("configmaps", "qwen"),
         ("secrets", "qwen-engine-key"),  # the key and the policy before the pods that need them
         ("networkpolicies", "qwen-engines"),
+        ("networkpolicies", "qwen-engines-egress"),
         ("services", "qwen-main"),
         ("deployments", "qwen-main"),
     ]
@@ -223,6 +224,7 @@ def test_it_creates_the_objects_with_server_side_apply_under_one_field_manager(c
         ("deployments", "qwen-main"),
         ("secrets", "qwen-engine-key"),
         ("networkpolicies", "qwen-engines"),
+        ("networkpolicies", "qwen-engines-egress"),
     ):
         owner = cluster.get(plural, "inference", name)["metadata"]["ownerReferences"][0]
         assert (owner["kind"], owner["name"], owner["uid"]) == ("ConfigMap", "qwen", root_uid)
@@ -344,9 +346,9 @@ def test_it_prunes_objects_no_longer_wanted(cluster):
     result = reconcile(deployment)
     assert not cluster.names("deployments") and not cluster.names("services")
     assert cluster.names("configmaps") == {"qwen"}  # the root stays while the deployment exists
-    # So do the key and the policy: pods still shutting down stay guarded.
+    # So do the key and the policies: pods still shutting down stay guarded.
     assert cluster.names("secrets") == {"qwen-engine-key"}
-    assert cluster.names("networkpolicies") == {"qwen-engines"}
+    assert cluster.names("networkpolicies") == {"qwen-engines", "qwen-engines-egress"}
     assert result.status == ObservedStatus.STOPPED
 
 
@@ -364,11 +366,15 @@ def test_a_deleted_deployment_is_swept_away_but_nothing_else(cluster):
     gone.delete()
     swept = services.engines_sweep().gone
     assert "inference/Deployment/gone-main" in swept and "inference/ConfigMap/gone" in swept
-    assert {"inference/Secret/gone-engine-key", "inference/NetworkPolicy/gone-engines"} <= set(swept)
+    assert {
+        "inference/Secret/gone-engine-key",
+        "inference/NetworkPolicy/gone-engines",
+        "inference/NetworkPolicy/gone-engines-egress",
+    } <= set(swept)
     assert cluster.names("configmaps") == {"keep", "theirs"}
     assert cluster.names("deployments") == {"keep-main"}
     assert cluster.names("secrets") == {"keep-engine-key"}
-    assert cluster.names("networkpolicies") == {"keep-engines"}
+    assert cluster.names("networkpolicies") == {"keep-engines", "keep-engines-egress"}
 
 
 def test_a_conflict_is_retried_with_backoff(cluster):

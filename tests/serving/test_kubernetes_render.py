@@ -474,8 +474,11 @@ def _ports(rule: dict) -> list[tuple[int, int]]:
 )
 def test_only_the_platform_reaches_the_engines_through_the_network_policy(case, kv_events, peers):
     objects = render_all(case)
-    (policy,) = by_kind(objects, "NetworkPolicy")
     name = objects[0]["metadata"]["name"]
+    # The other policy is the engines' egress (tests/serving/test_engine_egress.py).
+    (policy,) = [
+        obj for obj in by_kind(objects, "NetworkPolicy") if obj["metadata"]["name"] == f"{name}-engines"
+    ]
     assert policy["metadata"]["ownerReferences"][0]["uid"] == OWNER_UID
     spec = policy["spec"]
     assert spec["policyTypes"] == ["Ingress"]  # isolated for ingress: what no rule allows is refused
