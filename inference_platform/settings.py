@@ -267,7 +267,10 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
     # One name for the priority classes, used by tenants' ceilings, teams, keys and usage records alike.
-    "ENUM_NAME_OVERRIDES": {"PriorityClassEnum": "tenants.models.PriorityClass"},
+    "ENUM_NAME_OVERRIDES": {
+        "PriorityClassEnum": "tenants.models.PriorityClass",
+        "BudgetPeriodEnum": "tenants.models.BudgetPeriod",
+    },
 }
 
 # HTTPS hardening. On by default whenever DEBUG is off; each can be relaxed explicitly.

@@ -63,8 +63,9 @@ class ScaleForm(forms.Form):
     replicas = forms.IntegerField(min_value=0, max_value=1024)
 
 
-def _deployments():
-    return ModelDeployment.objects.order_by("served_model_name")
+def _deployments(tenant_id: int):
+    """What a tenant's teams and aliases may name: never a deployment limited to other tenants."""
+    return ModelDeployment.objects.open_to([tenant_id]).order_by("served_model_name")
 
 
 class DeploymentChoiceField(forms.ModelChoiceField):
@@ -116,7 +117,7 @@ class TeamSettingsForm(forms.Form):
             f"Its keys' class, unless a key has its own. The tenant allows at most "
             f"{team.tenant.get_max_priority_class_display().lower()}."
         )
-        self.fields["deployments"].queryset = _deployments()
+        self.fields["deployments"].queryset = _deployments(team.tenant_id)
         if not full:
             for name in list(self.fields):
                 if name not in TEAM_ADMIN_FIELDS:
@@ -133,14 +134,14 @@ class AliasForm(forms.Form):
     name = forms.CharField(max_length=200, help_text="The name agents put in `model`, such as coder.")
     deployment = DeploymentChoiceField(queryset=ModelDeployment.objects.none(), label="Serves")
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, tenant_id: int, **kwargs):
         super().__init__(*args, **kwargs)
-        self.fields["deployment"].queryset = _deployments()
+        self.fields["deployment"].queryset = _deployments(tenant_id)
 
 
 class AliasMoveForm(forms.Form):
     deployment = DeploymentChoiceField(queryset=ModelDeployment.objects.none(), label="Serves")
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, tenant_id: int, **kwargs):
         super().__init__(*args, **kwargs)
-        self.fields["deployment"].queryset = _deployments()
+        self.fields["deployment"].queryset = _deployments(tenant_id)

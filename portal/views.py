@@ -316,7 +316,9 @@ def _team_context(request, team, **extra) -> dict:
     ]
     if is_tenant_admin:
         for row in aliases:
-            row["form"] = AliasMoveForm(initial={"deployment": row["alias"].deployment_id})
+            row["form"] = AliasMoveForm(
+                initial={"deployment": row["alias"].deployment_id}, tenant_id=team.tenant_id
+            )
     return {
         "team": team,
         "can_manage": access.can_manage_team(team),
@@ -326,7 +328,7 @@ def _team_context(request, team, **extra) -> dict:
         "allowed_models": allowed,
         "aliases": aliases,
         "settings_form": TeamSettingsForm(team=team, full=is_tenant_admin) if can_set_class else None,
-        "alias_form": AliasForm() if is_tenant_admin else None,
+        "alias_form": AliasForm(tenant_id=team.tenant_id) if is_tenant_admin else None,
         "report": by_key,
         "cost_chart": column_chart(_day_series(by_day, period, "cost"), title="Cost per day", unit="USD"),
         "key_form": KeyCreateForm(),
@@ -414,7 +416,7 @@ def _tenant_admins_team(request, pk: int):
 @require_POST
 def alias_create(request, pk: int):
     team = _tenant_admins_team(request, pk)
-    form = AliasForm(request.POST)
+    form = AliasForm(request.POST, tenant_id=team.tenant_id)
     if form.is_valid():
         alias = ModelAlias(tenant_id=team.tenant_id, **form.cleaned_data)
         try:
@@ -432,7 +434,7 @@ def alias_create(request, pk: int):
 def alias_move(request, pk: int, alias_pk: int):
     team = _tenant_admins_team(request, pk)
     alias = get_object_or_404(ModelAlias, pk=alias_pk, tenant_id=team.tenant_id)
-    form = AliasMoveForm(request.POST)
+    form = AliasMoveForm(request.POST, tenant_id=team.tenant_id)
     if form.is_valid():
         alias.deployment = form.cleaned_data["deployment"]
         model_alias_save(alias=alias, actor=request.user, source=SOURCE)

@@ -94,6 +94,11 @@ class DeploymentInfo:
     first_token_timeout: float = 600.0
     stall_timeout: float = 120.0
     engine_key: str = ""  # the bearer token its engines accept (serving/engine_keys.py)
+    # The tenants it is limited to (ids), or None for every tenant (serving.models.ModelDeployment.tenants).
+    tenants: frozenset[int] | None = None
+
+    def open_to(self, tenant_id: int) -> bool:
+        return self.tenants is None or tenant_id in self.tenants
 
     @property
     def has_prefill_pool(self) -> bool:
@@ -133,20 +138,20 @@ class Snapshot:
 
     def deployment_for_key(self, key: KeyInfo, model: str) -> DeploymentInfo | None:
         """What `model` (a served model's name, or one of the key's tenant's aliases) names for this key: None
-        when nothing of that name is served or the key may not call it (the same answer, so a key cannot learn
-        what other teams are served)."""
+        when nothing of that name is served, or it is limited to other tenants, or the key may not call it (the
+        same answer, so a key cannot learn what other tenants or teams are served)."""
         deployment = self.deployments.get(self.aliases.get((key.tenant_id, model), model))
-        if deployment is None or not key.may_call(deployment.id):
+        if deployment is None or not _callable(key, deployment):
             return None
         return deployment
 
     def models_for_key(self, key: KeyInfo) -> list[tuple[str, DeploymentInfo]]:
         """The names the key may call, sorted: the served models it is entitled to and its tenant's aliases of
         them."""
-        names = [(name, d) for name, d in self.deployments.items() if key.may_call(d.id)]
+        names = [(name, d) for name, d in self.deployments.items() if _callable(key, d)]
         for (tenant_id, alias), target in self.aliases.items():
             deployment = self.deployments.get(target)
-            if tenant_id == key.tenant_id and deployment is not None and key.may_call(deployment.id):
+            if tenant_id == key.tenant_id and deployment is not None and _callable(key, deployment):
                 names.append((alias, deployment))
         return sorted(names, key=lambda item: item[0])
 
@@ -158,6 +163,11 @@ class Snapshot:
                 if index >= 0:
                     return entry[1][index]
         return None
+
+
+def _callable(key: KeyInfo, deployment: DeploymentInfo) -> bool:
+    """The deployment's limit to tenants first (the operator's), then the key's and its team's entitlements."""
+    return deployment.open_to(key.tenant_id) and key.may_call(deployment.id)
 
 
 def cache_salt(owner: str) -> str:
@@ -180,11 +190,36 @@ def _quota(q) -> QuotaInfo:
     )
 
 
+def _within_ceilings(quota: QuotaInfo | None, tenant) -> QuotaInfo:
+    """A team's quota held to its tenant's ceilings (tenants.models.QUOTA_CEILINGS): each limit at most the
+    ceiling, an empty one the ceiling itself. A quota counting its budgets over another period than the ceilings
+    (one set before them) counts them over the ceilings' period, which is the stricter."""
+    from tenants.models import QUOTA_CEILINGS
+
+    limits = {}
+    for name, ceiling_name in QUOTA_CEILINGS.items():
+        value, ceiling = getattr(quota, name, None), getattr(tenant, ceiling_name)
+        limits[name] = value if ceiling is None else ceiling if value is None else min(value, ceiling)
+    period = quota.budget_period if quota is not None else tenant.max_budget_period
+    if tenant.has_budget_ceiling:
+        period = tenant.max_budget_period
+    return QuotaInfo(**limits, budget_period=period)
+
+
 def load_snapshot(version: str = "") -> Snapshot:
     """Read everything the request path needs. Runs in a thread (sync ORM), a handful of queries."""
     from serving.engine_keys import engine_api_key
     from serving.models import DesiredStatus, Endpoint, Health, ModelDeployment
-    from tenants.models import ApiKey, ModelAlias, PriceSheet, Quota, Team, priority_within
+    from tenants.models import (
+        QUOTA_CEILINGS,
+        ApiKey,
+        ModelAlias,
+        PriceSheet,
+        Quota,
+        Team,
+        Tenant,
+        priority_within,
+    )
 
     now = timezone.now()
     snapshot = Snapshot(version=version)
@@ -258,8 +293,14 @@ def load_snapshot(version: str = "") -> Snapshot:
                 max_num_seqs=endpoint.pool.max_num_seqs,
             )
         )
+    limited_to: dict[int, set[int]] = {}
+    for deployment_id, tenant_id in ModelDeployment.tenants.through.objects.values_list(
+        "modeldeployment_id", "tenant_id"
+    ):
+        limited_to.setdefault(deployment_id, set()).add(tenant_id)
     for deployment in ModelDeployment.objects.filter(desired_status=DesiredStatus.RUNNING):
         policy = policies.get(deployment.id)
+        tenants = limited_to.get(deployment.id)
         snapshot.deployments[deployment.served_model_name] = DeploymentInfo(
             id=deployment.id,
             name=deployment.name,
@@ -274,6 +315,7 @@ def load_snapshot(version: str = "") -> Snapshot:
             first_token_timeout=float(deployment.first_token_timeout_s),
             stall_timeout=float(deployment.stall_timeout_s),
             engine_key=engine_api_key(deployment.id),
+            tenants=frozenset(tenants) if tenants else None,
         )
 
     served = {d.id: name for name, d in snapshot.deployments.items()}
@@ -288,6 +330,13 @@ def load_snapshot(version: str = "") -> Snapshot:
             snapshot.key_quotas[quota.api_key_id] = _quota(quota)
         else:
             snapshot.team_quotas[quota.team_id] = _quota(quota)
+    # Every team of a tenant with ceilings is held to them, whether or not it has a quota of its own.
+    any_ceiling = Q()
+    for ceiling_name in QUOTA_CEILINGS.values():
+        any_ceiling |= Q(**{f"{ceiling_name}__isnull": False})
+    capped = {tenant.id: tenant for tenant in Tenant.objects.filter(any_ceiling)}
+    for team_id, tenant_id in Team.objects.filter(tenant_id__in=capped).values_list("id", "tenant_id"):
+        snapshot.team_quotas[team_id] = _within_ceilings(snapshot.team_quotas.get(team_id), capped[tenant_id])
 
     for sheet in PriceSheet.objects.order_by("effective_from"):
         starts, prices = snapshot.prices.setdefault((sheet.served_model_name, sheet.tenant_id), ([], []))

@@ -92,6 +92,14 @@ class ModelDeploymentAdmin(AuditedAdmin):
             },
         ),
         (
+            "Tenants",
+            {
+                "fields": ["tenants"],
+                "description": "A private deployment (a tenant's fine-tune) is limited to its tenants: the router "
+                "answers every other tenant's keys that the model does not exist, whatever their teams may call.",
+            },
+        ),
+        (
             "Tool calling and reasoning",
             {
                 "fields": [
@@ -108,6 +116,7 @@ class ModelDeploymentAdmin(AuditedAdmin):
         ),
     ]
     inlines = [PoolInline]
+    filter_horizontal = ["tenants"]
 
     def get_queryset(self, request):
         return super().get_queryset(request).prefetch_related("pools")
@@ -139,6 +148,7 @@ class ModelDeploymentAdmin(AuditedAdmin):
     def audit_snapshot(self, obj) -> dict:
         data = snapshot(obj)
         data["pools"] = {pool.name: snapshot(pool) for pool in obj.pools.order_by("name")}
+        data["tenants"] = sorted(obj.tenants.values_list("pk", flat=True))
         return data
 
     def save_formset(self, request, form, formset, change):

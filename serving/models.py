@@ -56,6 +56,16 @@ def not_an_alias(name: str) -> None:
         )
 
 
+class DeploymentQuerySet(models.QuerySet):
+    def open_to(self, tenant_ids) -> models.QuerySet:
+        """The deployments any of these tenants may call (before its teams' own entitlements): those limited
+        to no tenant, and those limited to one of them."""
+        limits = ModelDeployment.tenants.through.objects.filter(modeldeployment=models.OuterRef("pk"))
+        return self.filter(
+            ~models.Exists(limits) | models.Exists(limits.filter(tenant_id__in=list(tenant_ids)))
+        )
+
+
 class ModelDeployment(models.Model):
     """One served model: where its weights come from, which engine serves it and where it runs."""
 
@@ -125,6 +135,16 @@ class ModelDeployment(models.Model):
         validators=[MinValueValidator(1)],
         help_text="Longest silence between two pieces of a streamed answer.",
     )
+    # Set by operators only: a tenant's private deployment (a fine-tune) is limited to it. The router checks it
+    # before any team's entitlements; a key of another tenant is told the model does not exist.
+    tenants = models.ManyToManyField(
+        "tenants.Tenant",
+        blank=True,
+        related_name="limited_deployments",
+        verbose_name="only for tenants",
+        help_text="Empty: every tenant may call it (within each team's models). Otherwise only these tenants "
+        "may call it or see it.",
+    )
     desired_status = models.CharField(
         max_length=8, choices=DesiredStatus.choices, default=DesiredStatus.RUNNING
     )
@@ -135,6 +155,8 @@ class ModelDeployment(models.Model):
     observed_at = models.DateTimeField(null=True, blank=True, editable=False)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
+
+    objects = DeploymentQuerySet.as_manager()
 
     class Meta:
         ordering = ["name"]

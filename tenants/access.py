@@ -103,6 +103,33 @@ class Access:
         qs = ModelAlias.objects.select_related("tenant", "deployment")
         return qs if self.is_operator else qs.filter(tenant_id__in=self.tenants)
 
+    def deployments_qs(self) -> QuerySet:
+        """The deployments this person may see: operators every one; a tenant admin those open to the tenant
+        (the ones it may give its teams); anyone else those their teams may call. A deployment limited to other
+        tenants is never among them."""
+        from serving.models import ModelDeployment
+
+        qs = ModelDeployment.objects.all()
+        if self.is_operator:
+            return qs
+        visible = (
+            Q(pk__in=qs.open_to(self.admin_tenants).values("pk")) if self.admin_tenants else Q(pk__in=[])
+        )
+        for team in Team.objects.filter(id__in=self.teams).exclude(tenant_id__in=self.admin_tenants):
+            open_to_team = qs.open_to([team.tenant_id])
+            if team.restrict_models:
+                open_to_team = open_to_team.filter(entitled_teams=team)
+            visible |= Q(pk__in=open_to_team.values("pk"))
+        return qs.filter(visible)
+
+    def nameable_deployments_qs(self) -> QuerySet:
+        """The deployments this person may name in a team's, key's or alias's settings: every one for operators,
+        else those open to their tenants (whether each team may call them is the settings' own check)."""
+        from serving.models import ModelDeployment
+
+        qs = ModelDeployment.objects.all()
+        return qs if self.is_operator else qs.open_to(self.tenants)
+
     def usage_qs(self) -> QuerySet[UsageRecord]:
         return self._team_scoped(UsageRecord.objects.all(), "team")
 

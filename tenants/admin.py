@@ -51,6 +51,19 @@ class TenantAdmin(AuditedAdmin):
                 "priority class first, then by fair share of work across tenants.",
             },
         ),
+        (
+            "Quota ceilings",
+            {
+                "fields": [
+                    ("max_requests_per_minute", "max_concurrent_requests"),
+                    ("max_input_tokens_per_minute", "max_output_tokens_per_minute"),
+                    "max_budget_period",
+                    ("max_token_budget", "max_spend_budget", "max_spend_currency"),
+                ],
+                "description": "The most the tenant's admins may give any of its teams or keys; the router holds "
+                "every team of the tenant to them, a team without a quota of its own too. Empty: no ceiling.",
+            },
+        ),
     ]
 
 

@@ -1,5 +1,6 @@
 """Entitlements, priority and fair share, as the portal changes them: a team's priority class, weight and the
-deployments it may call, and a tenant's model aliases. Each change is validated by the model, saved and
+deployments it may call, and a tenant's model aliases; and, for operators, the tenants a deployment is limited
+to, which the router checks before any team's entitlements. Each change is validated by the model, saved and
 audited in one transaction; the routers reload on the commit (routing/apps.py).
 
 The REST API makes the same changes through its audited viewsets, and the admin through AuditedAdmin; both
@@ -14,7 +15,7 @@ from typing import Any
 from django.db import models, transaction
 
 from .audit import audit_record, changes, snapshot
-from .models import ModelAlias, Team
+from .models import ModelAlias, Team, Tenant
 
 # What a team's admins may change on their team (tenant admins and operators change all of it).
 TEAM_ADMIN_FIELDS = frozenset({"priority_class"})
@@ -35,6 +36,35 @@ def deployments_outside_team(team: Team, deployments: Iterable) -> list:
         return []
     allowed = set(team.deployments.values_list("pk", flat=True))
     return [d for d in deployments if d.pk not in allowed]
+
+
+def deployments_closed_to(tenant_id: int, deployments: Iterable) -> list:
+    """Those of `deployments` limited to other tenants than this one: no team or alias of it may name them."""
+    from serving.models import ModelDeployment
+
+    deployments = list(deployments)
+    ids = [d.pk for d in deployments]
+    open_ids = set(
+        ModelDeployment.objects.filter(pk__in=ids).open_to([tenant_id]).values_list("pk", flat=True)
+    )
+    return [d for d in deployments if d.pk not in open_ids]
+
+
+def deployment_tenants_set(*, deployment, tenants: Iterable[Tenant], actor, source: str) -> None:
+    """Limit a deployment to these tenants (none: every tenant), as operators do. Audited when it changed; the
+    routers reload on the commit (tenants/signals.py)."""
+    with transaction.atomic():
+        before = sorted(deployment.tenants.values_list("pk", flat=True))
+        deployment.tenants.set(tenants)
+        after = sorted(deployment.tenants.values_list("pk", flat=True))
+        if before != after:
+            audit_record(
+                actor=actor,
+                action="deployment.update",
+                instance=deployment,
+                source=source,
+                details={"changes": {"tenants": [before, after]}},
+            )
 
 
 def team_entitlements_update(

@@ -45,6 +45,36 @@ def weight_field(help_text: str) -> models.PositiveIntegerField:
     )
 
 
+class BudgetPeriod(models.TextChoices):
+    DAY = "day", "Day"
+    WEEK = "week", "Week"
+    MONTH = "month", "Month"
+
+
+def _positive(field_name: str) -> Q:
+    return Q(**{f"{field_name}__isnull": True}) | Q(**{f"{field_name}__gt": 0})
+
+
+# A quota's limit (Quota's field) -> the tenant's ceiling for it (Tenant's field), which operators set.
+QUOTA_CEILINGS = {
+    "requests_per_minute": "max_requests_per_minute",
+    "input_tokens_per_minute": "max_input_tokens_per_minute",
+    "output_tokens_per_minute": "max_output_tokens_per_minute",
+    "max_concurrent_requests": "max_concurrent_requests",
+    "token_budget": "max_token_budget",
+    "spend_budget": "max_spend_budget",
+}
+CEILING_HELP = (
+    "No quota of the tenant's teams or keys may allow more; a team's empty limit gets it. Empty: none."
+)
+
+
+def ceiling_field(kind: type[models.Field], verbose_name: str) -> models.Field:
+    return kind(
+        verbose_name, null=True, blank=True, validators=[MinValueValidator(1)], help_text=CEILING_HELP
+    )
+
+
 class Tenant(models.Model):
     """A customer organisation. Everything a tenant owns is reached through it."""
 
@@ -78,10 +108,62 @@ class Tenant(models.Model):
         help_text="The highest class this tenant's admins may give a team or a key. Lowering it lowers the teams "
         "and keys above it.",
     )
+    # Quota ceilings, set by operators only: what the tenant's admins may give a team or a key at most, so that a
+    # quota can serve as a credit limit. The router holds every team of the tenant to them, with or without a
+    # quota of its own (routing/state.py).
+    max_requests_per_minute = ceiling_field(models.PositiveIntegerField, "most requests per minute")
+    max_input_tokens_per_minute = ceiling_field(
+        models.PositiveBigIntegerField, "most input tokens per minute"
+    )
+    max_output_tokens_per_minute = ceiling_field(
+        models.PositiveBigIntegerField, "most output tokens per minute"
+    )
+    max_concurrent_requests = ceiling_field(models.PositiveIntegerField, "most concurrent requests")
+    max_budget_period = models.CharField(
+        "period of the budget ceilings",
+        max_length=5,
+        choices=BudgetPeriod.choices,
+        default=BudgetPeriod.MONTH,
+        db_default=BudgetPeriod.MONTH,
+        help_text="With a budget ceiling, the tenant's quotas count their budgets over this period too.",
+    )
+    max_token_budget = ceiling_field(models.PositiveBigIntegerField, "largest token budget")
+    max_spend_budget = models.DecimalField(
+        "largest spend budget",
+        max_digits=14,
+        decimal_places=4,
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(Decimal("0"))],
+        help_text=CEILING_HELP,
+    )
+    max_spend_currency = models.CharField(
+        "currency of the spend ceiling",
+        max_length=3,
+        default="USD",
+        db_default="USD",
+        validators=[currency_validator],
+    )
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
         ordering = ["slug"]
+        constraints = [
+            *[
+                models.CheckConstraint(
+                    condition=_positive(f),
+                    name=f"tenant_{f}_positive",
+                    violation_error_message=f"{f} must be at least 1, or empty for no ceiling.",
+                )
+                for f in QUOTA_CEILINGS.values()
+                if f != "max_spend_budget"
+            ],
+            models.CheckConstraint(
+                condition=Q(max_spend_budget__isnull=True) | Q(max_spend_budget__gte=0),
+                name="tenant_max_spend_budget_not_negative",
+                violation_error_message="The spend ceiling cannot be negative.",
+            ),
+        ]
 
     def __str__(self) -> str:
         return self.name
@@ -99,6 +181,10 @@ class Tenant(models.Model):
                 ApiKey.objects.filter(team__tenant=self, priority_class__in=above).update(
                     priority_class=self.max_priority_class
                 )
+
+    @property
+    def has_budget_ceiling(self) -> bool:
+        return self.max_token_budget is not None or self.max_spend_budget is not None
 
 
 class Team(models.Model):
@@ -305,16 +391,6 @@ class ApiKey(models.Model):
         return self.revoked_at is None and (self.expires_at is None or self.expires_at > now)
 
 
-class BudgetPeriod(models.TextChoices):
-    DAY = "day", "Day"
-    WEEK = "week", "Week"
-    MONTH = "month", "Month"
-
-
-def _positive(field_name: str) -> Q:
-    return Q(**{f"{field_name}__isnull": True}) | Q(**{f"{field_name}__gt": 0})
-
-
 LIMIT_FIELDS = (
     "requests_per_minute",
     "input_tokens_per_minute",
@@ -389,6 +465,13 @@ class Quota(models.Model):
     def __str__(self) -> str:
         return f"Quota for {self.api_key or self.team}"
 
+    def clean(self) -> None:
+        super().clean()
+        if self.team_id:
+            errors = quota_ceiling_errors(self, self.team.tenant)
+            if errors:
+                raise ValidationError(errors)
+
     def period_bounds(self, at=None):
         from .periods import period_bounds
 
@@ -397,6 +480,32 @@ class Quota(models.Model):
     @property
     def resets_at(self):
         return self.period_bounds()[1]
+
+
+def quota_ceiling_errors(quota: Quota, tenant: Tenant) -> dict[str, str]:
+    """What of `quota` goes beyond its tenant's ceilings, by field, each message naming the ceiling."""
+    errors = {}
+    for name, ceiling_name in QUOTA_CEILINGS.items():
+        value, ceiling = getattr(quota, name), getattr(tenant, ceiling_name)
+        if value is not None and ceiling is not None and value > ceiling:
+            label = Tenant._meta.get_field(ceiling_name).verbose_name
+            errors[name] = (
+                f"The platform operator set tenant {tenant.slug}'s {label} at {ceiling}: give at most {ceiling}, "
+                "or leave it empty for the ceiling."
+            )
+    has_budget = quota.token_budget is not None or quota.spend_budget is not None
+    if has_budget and tenant.has_budget_ceiling and quota.budget_period != tenant.max_budget_period:
+        errors["budget_period"] = (
+            f"Tenant {tenant.slug}'s budget ceilings are per {tenant.max_budget_period}, set by the platform "
+            f"operator: count this quota's budgets per {tenant.max_budget_period} too."
+        )
+    spend_ceiling = tenant.max_spend_budget is not None
+    if spend_ceiling and quota.spend_budget is not None and quota.currency != tenant.max_spend_currency:
+        errors["currency"] = (
+            f"Tenant {tenant.slug}'s spend ceiling is in {tenant.max_spend_currency}, set by the platform "
+            f"operator: give the spend budget in {tenant.max_spend_currency}."
+        )
+    return errors
 
 
 class PriceSheet(models.Model):

@@ -4,6 +4,8 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from inference_platform.model_validation import ModelCleanMixin
+from tenants.api.serializers import TenantIdField
+from tenants.models import Tenant
 
 from .. import services
 from ..models import AutoscalingPolicy, Endpoint, ModelDeployment, Pool, ScalingEvent
@@ -82,9 +84,18 @@ class ToolCallingSerializer(serializers.Serializer):
 
 
 class ModelDeploymentSerializer(ModelCleanMixin, serializers.ModelSerializer):
+    """A deployment as operators see and change it."""
+
     pools = PoolSerializer(many=True, required=False)
     endpoints = serializers.SerializerMethodField()
     tool_calling = serializers.SerializerMethodField()
+    tenants = TenantIdField(
+        many=True,
+        required=False,
+        queryset=Tenant.objects.all(),
+        help_text="Ids of the only tenants that may call it (and see it), checked before their teams' "
+        "entitlements. Empty: every tenant.",
+    )
 
     class Meta:
         model = ModelDeployment
@@ -109,6 +120,7 @@ class ModelDeploymentSerializer(ModelCleanMixin, serializers.ModelSerializer):
             "observed_status",
             "status_message",
             "observed_at",
+            "tenants",
             "pools",
             "endpoints",
             "created_at",
@@ -141,6 +153,37 @@ class ModelDeploymentSerializer(ModelCleanMixin, serializers.ModelSerializer):
 
     def update(self, instance, validated_data):
         raise NotImplementedError("deployments are changed by serving.services.deployment_update")
+
+
+class DeploymentForCallersSerializer(serializers.ModelSerializer):
+    """A deployment as a tenant's people see it: what to put in `model` and what it serves, never how or where
+    it runs (no engine addresses, model sources, engine flags or chat templates)."""
+
+    supports_tools = serializers.SerializerMethodField(help_text="Whether it takes tools (function calling).")
+    supports_reasoning = serializers.SerializerMethodField(
+        help_text="Whether it returns its reasoning apart."
+    )
+
+    class Meta:
+        model = ModelDeployment
+        fields = [
+            "id",
+            "name",
+            "served_model_name",
+            "max_model_len",
+            "observed_status",
+            "supports_tools",
+            "supports_reasoning",
+            "created_at",
+            "updated_at",
+        ]
+        read_only_fields = fields
+
+    def get_supports_tools(self, obj) -> bool:
+        return obj.tool_calling().tool_call_parser is not None
+
+    def get_supports_reasoning(self, obj) -> bool:
+        return obj.tool_calling().reasoning_parser is not None
 
 
 class AutoscalingPolicySerializer(ModelCleanMixin, serializers.ModelSerializer):

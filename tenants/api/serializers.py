@@ -3,12 +3,13 @@ from __future__ import annotations
 from django.contrib.auth import get_user_model
 from django.utils import timezone
 from rest_framework import serializers
+from rest_framework.relations import MANY_RELATION_KWARGS
 
 from inference_platform.model_validation import ModelCleanMixin
 from serving.models import ModelDeployment
 
 from ..access import Access
-from ..entitlements import deployments_outside_team
+from ..entitlements import deployments_closed_to, deployments_outside_team
 from ..models import (
     TEAM_ROLES,
     ApiKey,
@@ -39,7 +40,41 @@ class StrictBooleanField(serializers.BooleanField):
         return data
 
 
-class DeploymentIdField(serializers.PrimaryKeyRelatedField):
+class JsonListRelatedField(serializers.ManyRelatedField):
+    """A list of ids, as a JSON list only: DRF would take any iterable, so `{}` would clear the list."""
+
+    def to_internal_value(self, data):
+        if not isinstance(data, list):
+            self.fail("not_a_list", input_type=type(data).__name__)
+        return super().to_internal_value(data)
+
+
+class StrictIdField(serializers.PrimaryKeyRelatedField):
+    """An id as a JSON integer only, in a JSON list when `many` (where the type check of ModelCleanMixin does
+    not reach)."""
+
+    def to_internal_value(self, data):
+        if isinstance(data, bool) or not isinstance(data, int):
+            self.fail("incorrect_type", data_type=type(data).__name__)
+        return super().to_internal_value(data)
+
+    @classmethod
+    def many_init(cls, *args, **kwargs):
+        list_kwargs = {"child_relation": cls(*args, **kwargs)}
+        list_kwargs.update({key: value for key, value in kwargs.items() if key in MANY_RELATION_KWARGS})
+        return JsonListRelatedField(**list_kwargs)
+
+
+class TenantIdField(StrictIdField):
+    """A tenant's id, with a 400 that names an id no tenant has."""
+
+    default_error_messages = {
+        **serializers.PrimaryKeyRelatedField.default_error_messages,
+        "does_not_exist": "No tenant has id {pk_value}.",
+    }
+
+
+class DeploymentIdField(StrictIdField):
     """A deployment's id, as a JSON integer only (in a list too, where the type check of ModelCleanMixin does
     not reach), with a 400 that names an id no deployment has."""
 
@@ -52,14 +87,23 @@ class DeploymentIdField(serializers.PrimaryKeyRelatedField):
         kwargs.setdefault("queryset", ModelDeployment.objects.all())
         super().__init__(**kwargs)
 
-    def to_internal_value(self, data):
-        if isinstance(data, bool) or not isinstance(data, int):
-            self.fail("incorrect_type", data_type=type(data).__name__)
-        return super().to_internal_value(data)
-
 
 def _deployment_ids(help_text: str) -> serializers.ManyRelatedField:
     return DeploymentIdField(many=True, required=False, help_text=help_text)
+
+
+def _scope_deployments(serializer: serializers.Serializer, name: str) -> None:
+    """A deployment limited to other tenants than the caller's cannot be named: its id is one no deployment has."""
+    if "access" in serializer.context:
+        field = serializer.fields[name]
+        field = getattr(field, "child_relation", field)
+        field.queryset = _access(serializer).nameable_deployments_qs()
+
+
+def _refuse_closed(tenant_id: int, deployments, field: str) -> None:
+    closed = deployments_closed_to(tenant_id, deployments)
+    if closed:
+        raise serializers.ValidationError({field: f"No deployment has id {closed[0].pk}."})
 
 
 class TenantSerializer(ModelCleanMixin, serializers.ModelSerializer):
@@ -69,8 +113,25 @@ class TenantSerializer(ModelCleanMixin, serializers.ModelSerializer):
 
     class Meta:
         model = Tenant
-        # A tenant is changed by operators only, so its weight and highest class are theirs to set.
-        fields = ["id", "name", "slug", "is_active", "fair_share_weight", "max_priority_class", "created_at"]
+        # A tenant is changed by operators only, so its weight, highest class and quota ceilings are theirs to
+        # set; its admins read them.
+        fields = [
+            "id",
+            "name",
+            "slug",
+            "is_active",
+            "fair_share_weight",
+            "max_priority_class",
+            "max_requests_per_minute",
+            "max_input_tokens_per_minute",
+            "max_output_tokens_per_minute",
+            "max_concurrent_requests",
+            "max_budget_period",
+            "max_token_budget",
+            "max_spend_budget",
+            "max_spend_currency",
+            "created_at",
+        ]
 
 
 class TeamSerializer(ModelCleanMixin, serializers.ModelSerializer):
@@ -98,12 +159,19 @@ class TeamSerializer(ModelCleanMixin, serializers.ModelSerializer):
         super().__init__(*args, **kwargs)
         if "access" in self.context:
             self.fields["tenant"].queryset = _access(self).manageable_tenants_qs()
+        _scope_deployments(self, "deployments")
         if (
             self.instance is not None
             and not isinstance(self.instance, list | tuple)
             and hasattr(self.instance, "pk")
         ):
             self.fields["tenant"].read_only = True  # a team never moves between tenants
+
+    def validate(self, attrs):
+        tenant = attrs.get("tenant", getattr(self.instance, "tenant", None))
+        if tenant is not None and attrs.get("deployments"):
+            _refuse_closed(tenant.pk, attrs["deployments"], "deployments")
+        return super().validate(attrs)
 
 
 class UsernameField(serializers.SlugRelatedField):
@@ -205,6 +273,7 @@ class ApiKeySerializer(ModelCleanMixin, serializers.ModelSerializer):
         super().__init__(*args, **kwargs)
         if "access" in self.context:
             self.fields["team"].queryset = _access(self).manageable_teams_qs()
+        _scope_deployments(self, "deployments")
         if isinstance(self.instance, ApiKey):
             self.fields["team"].read_only = True
 
@@ -218,6 +287,8 @@ class ApiKeySerializer(ModelCleanMixin, serializers.ModelSerializer):
 
     def validate(self, attrs):
         team = attrs.get("team", getattr(self.instance, "team", None))
+        if team is not None and attrs.get("deployments"):
+            _refuse_closed(team.tenant_id, attrs["deployments"], "deployments")
         outside = deployments_outside_team(team, attrs.get("deployments") or ()) if team else []
         if outside:
             names = ", ".join(sorted(d.served_model_name for d in outside))
@@ -315,8 +386,15 @@ class ModelAliasSerializer(ModelCleanMixin, serializers.ModelSerializer):
         super().__init__(*args, **kwargs)
         if "access" in self.context:
             self.fields["tenant"].queryset = _access(self).manageable_tenants_qs()
+        _scope_deployments(self, "deployment")
         if isinstance(self.instance, ModelAlias):
             self.fields["tenant"].read_only = True  # an alias never moves between tenants
+
+    def validate(self, attrs):
+        tenant = attrs.get("tenant", getattr(self.instance, "tenant", None))
+        if tenant is not None and attrs.get("deployment") is not None:
+            _refuse_closed(tenant.pk, [attrs["deployment"]], "deployment")
+        return super().validate(attrs)
 
 
 class UsageRecordSerializer(serializers.ModelSerializer):

@@ -35,13 +35,13 @@ def new_deployment(**fields) -> dict:
 
 
 def test_it_shows_the_family_default_and_where_it_came_from(world, client_for):
-    body = client_for(world.member_a1).get(f"/api/deployments/{world.deployment.pk}/").json()
+    body = client_for(world.operator).get(f"/api/deployments/{world.deployment.pk}/").json()
     assert (body["tool_call_parser"], body["reasoning_parser"], body["chat_template"]) == ("", "", "")
     tools = body["tool_calling"]
     assert tools["tool_call_parser"] == "hermes" and tools["reasoning_parser"] is None
     assert tools["source"] == tools["reasoning_source"] == "family qwen2" and tools["family"] == "qwen2"
     assert "config.json model_type 'qwen2'" in tools["note"]
-    assert tools == client_for(world.member_a1).get("/api/deployments/").json()["results"][0]["tool_calling"]
+    assert tools == client_for(world.operator).get("/api/deployments/").json()["results"][0]["tool_calling"]
 
 
 @pytest.mark.parametrize(
