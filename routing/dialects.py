@@ -87,11 +87,10 @@ class Dialect:
         )
 
     def usage_from_tail(self, body: bytes) -> Usage:
-        """The usage of an answer sent whole, read from its bytes without parsing the rest: the last `"usage":{`
-        (a string in the JSON cannot hold it, its quotes being escaped there; vLLM writes the usage after the
-        choices and output, and before prompt logprobs, whose keys are token ids)."""
-        at = body.rfind(b'"usage":{')
-        match = USAGE_OBJECT.match(body, at) if at >= 0 else None
+        """The usage of an answer sent whole, read from its bytes without parsing the rest: the last `"usage"`
+        key whose value is an object (a string in the JSON cannot hold the key, its quotes being escaped there;
+        vLLM writes the usage after the choices and output, before prompt logprobs, whose keys are token ids)."""
+        match = last_usage(body)
         if match is None:
             return Usage()
         try:
@@ -279,8 +278,20 @@ class ResponsesDialect(Dialect):
 # string in the JSON cannot hold the marker, its quotes being escaped there; the usage object holds no string
 # but its keys.
 RUNNING_USAGE = re.compile(rb',"usage":\{[^{}\n]*(?:\{[^{}\n]*\}[^{}\n]*)*\}')
-# `"usage":{...}` of an answer: counts, nulls, lists and objects of them, two levels deep at most.
-USAGE_OBJECT = re.compile(rb'"usage":(\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\})')
+# `"usage": {...}` of an answer (compact or not): counts, nulls, lists and objects of them, two levels deep at most.
+USAGE_KEY = b'"usage"'
+USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*(\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\})')
+
+
+def last_usage(body: bytes, end: int | None = None) -> re.Match | None:
+    """The last `"usage"` key of `body` whose value is a whole object; None when there is none."""
+    end = len(body) if end is None else end
+    while (at := body.rfind(USAGE_KEY, 0, end)) >= 0:
+        match = USAGE_OBJECT.match(body, at)
+        if match is not None:
+            return match
+        end = at
+    return None
 
 
 def _int_after(data: bytes, marker: bytes) -> int | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, NamedTuple
@@ -15,7 +16,7 @@ from django.conf import settings
 from . import metrics
 from .admission import cost_units
 from .assemble import ASSEMBLERS, Assembler, EngineStreamError
-from .dialects import OPENAI, Dialect, Usage
+from .dialects import OPENAI, USAGE_KEY, Dialect, Usage, last_usage
 from .disagg import prefill_elsewhere
 from .engine_errors import refusal, route_missing_body
 from .flow import QueueTimeout, Ticket
@@ -38,9 +39,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# An answer over the limit is read on for its usage: this many bytes from the usage marker on are kept.
+# An answer over the limit is read on for its usage: this many bytes from the usage key on are kept.
 USAGE_BYTES = 4096
-USAGE_MARKER = b'"usage":{'
+USAGE_START = re.compile(rb'"usage"\s*:\s*\{')
 # An engine's error answer is read up to this much (it is a message, not an answer).
 ERROR_BODY_BYTES = 1024 * 1024
 
@@ -423,22 +424,26 @@ class Exchange:
         await respond(self.send, resp.status, body, self._response_headers(resp))
 
     async def _read_answer(self, resp: Response) -> tuple[bytes | None, bytes]:
-        """The engine's whole answer, or None past ROUTER_MAX_ANSWER_BYTES with the bytes from the last
-        `"usage":{` on (the answer read to its end either way, held no further than the limit)."""
+        """The engine's whole answer, or None past ROUTER_MAX_ANSWER_BYTES with the bytes from its last usage key
+        on (the answer read to its end either way, held no further than the limit)."""
         chunks: list[bytes] = []
         size, limit = 0, self.max_answer_bytes
-        usage = b""  # past the limit: the bytes from the last usage marker seen, up to USAGE_BYTES of them
+        finder: UsageFinder | None = None
         async for chunk in resp.chunks():
             size += len(chunk)
-            if size <= limit:
+            if finder is None and size <= limit:
                 chunks.append(chunk)
                 continue
-            if chunks:  # the limit is crossed: from now on only the usage is looked for
-                usage = _usage_bytes(b"", b"".join(chunks))
-                chunks = []
-            usage = _usage_bytes(usage, chunk)
-        if size > limit:
-            return None, usage
+            if finder is None:  # the limit is crossed: from now on only the usage is looked for
+                finder = UsageFinder()
+                held, chunks = b"".join(chunks), []
+                match = last_usage(held)
+                if match is not None:
+                    finder.found = held[match.start() : match.start() + USAGE_BYTES]
+                finder.recent = held[-UsageFinder.OVERLAP :]
+            finder.feed(chunk)
+        if finder is not None:
+            return None, finder.found
         return b"".join(chunks), b""
 
     async def _relay_refusal(self, resp: Response, base_url: str) -> str | None:
@@ -714,14 +719,25 @@ class Exchange:
         )
 
 
-def _usage_bytes(kept: bytes, chunk: bytes) -> bytes:
-    """`kept` (the bytes from the last usage marker so far, or the end of the answer before `chunk`) with
-    `chunk` looked at: from a later marker when it holds one (or one that straddles the two), else `kept`
-    topped up to USAGE_BYTES."""
-    joined = kept[-len(USAGE_MARKER) :] + chunk
-    at = joined.rfind(USAGE_MARKER)
-    if at >= 0:
-        return joined[at : at + USAGE_BYTES]
-    if kept.startswith(USAGE_MARKER) and len(kept) < USAGE_BYTES:
-        return (kept + chunk)[:USAGE_BYTES]
-    return kept if kept.startswith(USAGE_MARKER) else joined[-len(USAGE_MARKER) :]
+class UsageFinder:
+    """The bytes from the last `"usage": {` of an answer read piece by piece and not kept (up to USAGE_BYTES), for
+    `Dialect.usage_from_tail`: a key that straddles two pieces is found, and a `"usage"` that is not the key of an
+    object (a token's text in logprobs) is passed over."""
+
+    OVERLAP = 32  # bytes of the previous piece looked at again: the key, a colon and some spaces
+
+    def __init__(self):
+        self.found = b""
+        self.recent = b""
+
+    def feed(self, piece: bytes) -> None:
+        joined = self.recent + piece
+        at = len(joined)
+        while (at := joined.rfind(USAGE_KEY, 0, at)) >= 0:
+            if USAGE_START.match(joined, at):
+                self.found = joined[at : at + USAGE_BYTES]
+                break
+        else:
+            if self.found and len(self.found) < USAGE_BYTES:
+                self.found += piece[: USAGE_BYTES - len(self.found)]
+        self.recent = joined[-self.OVERLAP :]

@@ -9,6 +9,7 @@ import logging
 from array import array
 from datetime import UTC, datetime
 from typing import Protocol
+from weakref import WeakKeyDictionary
 
 import orjson
 
@@ -265,7 +266,8 @@ def validate(
         prompt_bound = len(prompt_ids)
     else:
         tokenizer = tokenizers.tokenizer_for(deployment)
-        prompt_bound = prompt_token_bound(payload, len(tokenizer.template_source) if tokenizer else 0)
+        overhead = template_overhead(tokenizer, bool(payload.get("tools"))) if tokenizer else 0
+        prompt_bound = prompt_token_bound(payload, overhead)
     # Each of the n answers may run to max_tokens, or to the end of the context when none is set.
     return min(prompt_bound, limit), (max_tokens or limit) * choices
 
@@ -398,12 +400,32 @@ def output_limit(payload: dict, path: str) -> tuple[str, object]:
     return "max_tokens", payload.get("max_tokens")
 
 
+_overheads: WeakKeyDictionary = WeakKeyDictionary()
+
+
+def template_overhead(tokenizer: RouterTokenizer, tools: bool) -> int:
+    """The bytes a model's chat template writes around an empty conversation (its default system prompt, its role
+    markers, with `tools` its instructions for calling them): worked out once per template, and the template's
+    whole source when it cannot be rendered so."""
+    known = _overheads.setdefault(tokenizer, {})
+    if tools not in known:
+        payload: dict = {"messages": [{"role": "user", "content": ""}]}
+        if tools:
+            payload["tools"] = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+        try:
+            known[tools] = len(tokenizer.render(tokenizer.chat_inputs(payload)).encode())
+        except Exception:  # a template that refuses an empty conversation
+            known[tools] = len(tokenizer.template_source.encode())
+    return known[tools]
+
+
 def prompt_token_bound(payload: dict, template_chars: int = 0) -> int:
     """An upper bound of the prompt's tokens without tokenising (a prompt not given as token ids): byte-level BPE
     tokens cover at least one byte each, and every field that can reach the prompt (`messages`, `system`,
     `instructions`, `input`, `tools`, `documents`, `chat_template_kwargs`, ...) is in the request's JSON, so its
-    bytes bound them all; plus the chat template's own text (`template_chars`), a few tokens per message for its
-    role markers, and the tools once more (a template writes them out with spaces after separators). A request cut
+    bytes bound them all; plus what the chat template writes around a conversation (`template_chars`, from
+    `template_overhead`), a few tokens per message for its role markers, and the tools once more (a template
+    writes them out with spaces after separators). A request cut
     short pays this when the router did not tokenize it, and admission reserves it: no field can make either
     smaller than the prompt."""
     messages = payload.get("messages")

@@ -14,6 +14,7 @@ import pytest
 from aiohttp import web
 
 from routing.dialects import ANTHROPIC, OPENAI, RESPONSES
+from routing.exchange import UsageFinder
 
 from ..serving.engines import MODEL_NAME
 from .conftest import make_fleet, start_router
@@ -200,11 +201,31 @@ def test_events_split_anywhere_across_pieces_are_relayed_whole(small_router, siz
             b'"input_tokens_per_turn":[]},"output_tokens":3}}',
             (7, 2, 3),
         ),
+        (
+            OPENAI,
+            b'{"choices": [], "usage": {"prompt_tokens": 6, "completion_tokens": 2}, "prompt_logprobs": '
+            b'[{"3": {"decoded_token": "usage"}}, {"usage": -1.5}]}',
+            (6, 0, 2),
+        ),
         (OPENAI, b'{"choices":[]}', (0, 0, 0)),
     ],
-    ids=["openai-with-prompt-logprobs", "anthropic", "responses", "no-usage"],
+    ids=["openai-with-prompt-logprobs", "anthropic", "responses", "spaced-json", "no-usage"],
 )
 def test_usage_is_read_from_an_answers_bytes(dialect, body, expected):
     usage = dialect.usage_from_tail(body)
     assert (usage.prompt_tokens, usage.cached_tokens, usage.output_tokens) == expected
     assert usage.reported is (expected != (0, 0, 0))
+
+
+@pytest.mark.parametrize("size", [1, 3, 10, 4096])
+def test_the_usage_of_an_answer_read_in_pieces_is_found_wherever_the_pieces_cut(size):
+    body = (
+        b'{"choices": [], "usage": {"prompt_tokens": 6, "completion_tokens": 2}, "prompt_logprobs": ['
+        + b'{"3": {"decoded_token": "usage"}}, {"usage": -1.5}, ' * 200
+        + b"null]}"
+    )
+    finder = UsageFinder()
+    for start in range(0, len(body), size):
+        finder.feed(body[start : start + size])
+    usage = OPENAI.usage_from_tail(finder.found)
+    assert (usage.prompt_tokens, usage.output_tokens, usage.reported) == (6, 2, True)
