@@ -37,13 +37,19 @@ def validation_error(problems: list[dict]) -> ApiError:
 
 
 def problem(kind: str, loc: str, msg: str, value, ctx: dict | None = None) -> dict:
-    """One pydantic problem as vLLM prints it: a dict or list input summarised, anything else as a string."""
+    """One pydantic problem as vLLM prints it: a dict or list input summarised, anything else as a string of at
+    most 200 characters."""
     if isinstance(value, dict):
         shown = f"<dict of {len(value)} items>"
     elif isinstance(value, list):
         shown = f"<list of {len(value)} items>"
     else:
-        shown = value if isinstance(value, str) else str(value)
+        try:
+            shown = value if isinstance(value, str) else str(value)
+        except ValueError:  # an integer past Python's limit on digits
+            shown = f"<{type(value).__name__}>"
+        if len(shown) > 200:
+            shown = shown[:200] + "...[truncated]"
     found = {"type": kind, "loc": loc, "msg": msg, "input": shown}
     if ctx is not None:
         found["ctx"] = ctx

@@ -363,8 +363,12 @@ def message_item(item_id: str, text: str, status: str = "completed") -> dict:
     }
 
 
+def reasoning_part(text: str) -> dict:
+    return {"text": text, "type": "reasoning_text"}
+
+
 def reasoning_item(item_id: str, text: str | None, status: str = "completed") -> dict:
-    content = None if text is None else [{"text": text, "type": "reasoning_text"}]
+    content = None if text is None else [reasoning_part(text)]
     return {
         "id": item_id,
         "summary": [],
@@ -499,49 +503,18 @@ class EventWriter:
         if kind is None:
             return []
         out = []
-        if kind == "message":
-            part = text_part(text, None)
-            out.append(
-                self.event(
-                    "response.output_text.done",
-                    content_index=0,
-                    item_id=item_id,
-                    logprobs=[],
-                    output_index=index,
-                    text=text,
-                )
-            )
-            out.append(
-                self.event(
-                    "response.content_part.done",
-                    content_index=0,
-                    item_id=item_id,
-                    output_index=index,
-                    part=part,
-                )
-            )
-            item = message_item(item_id, text)
-        elif kind == "reasoning":
-            part = {"text": text, "type": "reasoning_text"}
-            out.append(
-                self.event(
-                    "response.reasoning_text.done",
-                    content_index=0,
-                    item_id=item_id,
-                    output_index=index,
-                    text=text,
-                )
-            )
-            out.append(
-                self.event(
-                    "response.content_part.done",
-                    content_index=0,
-                    item_id=item_id,
-                    output_index=index,
-                    part=part,
-                )
-            )
-            item = reasoning_item(item_id, text)
+        if kind in ("message", "reasoning"):
+            # A text item ends alike: its text's done event, then its one content part's.
+            if kind == "message":
+                done, extra, part = "response.output_text.done", {"logprobs": []}, text_part(text, None)
+                item = message_item(item_id, text)
+            else:
+                done, extra, part = "response.reasoning_text.done", {}, reasoning_part(text)
+                item = reasoning_item(item_id, text)
+            fields = {"content_index": 0, "item_id": item_id, **extra, "output_index": index}
+            out.append(self.event(done, **fields, text=text))
+            part_fields = {"content_index": 0, "item_id": item_id, "output_index": index, "part": part}
+            out.append(self.event("response.content_part.done", **part_fields))
         else:
             item = call_item(self.call, item_id, self.call_id, self.name, text, "completed")
             if item["type"] == "custom_tool_call":
@@ -589,15 +562,8 @@ class EventWriter:
             part = {**text_part("", []), "logprobs": []}
         else:
             self.item_id = new_id("rs")
-            item = {
-                "id": self.item_id,
-                "summary": [],
-                "type": "reasoning",
-                "content": None,
-                "encrypted_content": None,
-                "status": "in_progress",
-            }
-            part = {"text": "", "type": "reasoning_text"}
+            item = reasoning_item(self.item_id, None, "in_progress")
+            part = reasoning_part("")
         out.append(sse(self.event("response.output_item.added", item=item, output_index=self.index)))
         out.append(
             sse(

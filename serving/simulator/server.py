@@ -32,6 +32,7 @@ from routing.dialects import (
 )
 from routing.tokenize import rejects_inline_system, template_traits
 
+from . import fields
 from . import responses as responses_api
 from .engine import Engine, RemotePrefillError, Request
 from .errors import ApiError, literal_problem, problem, validation_error
@@ -454,6 +455,9 @@ class SimulatorApp:
         try:
             body = await self._json(http)
             cache_salt = cache_salt_of(body)
+            # The typed fields as vLLM's request model reads them ("false" is false, "3" is 3), or its 400.
+            read = fields.read_chat if chat else fields.read_completion
+            body = read(body, self.tokenizer.vocab_size)
             model = self._check_model(body)
             if chat:
                 choice = _tool_choice(body)
@@ -465,7 +469,7 @@ class SimulatorApp:
             else:
                 prompt_ids = self._completion_prompt_ids(body)
             max_tokens = self._max_tokens(body, chat, len(prompt_ids))
-            n = _choices(body)
+            n = body.get("n") or 1
         except ApiError as exc:
             return _json_response(exc.body(), exc.status)
         external = http.headers.get("X-Request-Id") or body.get("request_id") or uuid.uuid4().hex[:16]
@@ -492,7 +496,8 @@ class SimulatorApp:
             for index in range(1, n)
         ]
         created = int(time.time())
-        stream_options = body.get("stream_options") or {}
+        include_usage, continuous = fields.stream_options(body)
+        stream_options = {"include_usage": include_usage, "continuous_usage_stats": continuous}
         if body.get("stream"):
             return await self._stream(http, reqs, chat, model, response_id, created, stream_options, call)
         return await self._complete(reqs, chat, model, response_id, created, call)
@@ -706,6 +711,7 @@ class SimulatorApp:
         try:
             body = await self._json(http)
             cache_salt = cache_salt_of(body)
+            body = fields.read_responses(body)
             call = responses_api.check_request(body)
             model = self._check_model(body)
             responses_api.check_serving(body)
@@ -741,9 +747,16 @@ class SimulatorApp:
                 kv_transfer_params=req.kv_transfer_out,
             )
 
+        # With a reasoning parser a text answer reasons first: its first tokens are a reasoning item's.
+        reasoning = self._reasoning_tokens(req, planned)
+
         def final_usage() -> dict:
             return responses_api.usage(
-                len(req.prompt_ids), req.cached_tokens, req.created_cache_tokens, len(req.output_ids)
+                len(req.prompt_ids),
+                req.cached_tokens,
+                req.created_cache_tokens,
+                len(req.output_ids),
+                min(reasoning, len(req.output_ids)),
             )
 
         status = lambda: "completed" if req.stops else "incomplete"  # noqa: E731
@@ -753,7 +766,7 @@ class SimulatorApp:
                     pass
             except RemotePrefillError as exc:
                 return _json_response(ApiError(500, str(exc), "InternalServerError").body(), 500)
-            output = self._responses_output(call, req, planned)
+            output = self._responses_output(call, req, planned, reasoning)
             return _json_response(response(output, status(), final_usage()))
 
         stream = web.StreamResponse(
@@ -783,7 +796,9 @@ class SimulatorApp:
                             pending += writer.call_arguments(delta["function"]["arguments"])
                 else:
                     text = self._detok([token])
-                    if text:
+                    if text and produced <= reasoning:
+                        pending += writer.reasoning_delta(text)
+                    elif text:
                         pending += writer.text_delta(text)
                 if pending and not coalesce:
                     await stream.write(b"".join(pending))
@@ -834,13 +849,9 @@ class SimulatorApp:
         """max_output_tokens as vLLM takes it: at most the context, at least 1 (checked as the sampling
         parameters' max_tokens), by default what the context leaves."""
         limit = self.model.max_model_len
-        value = body.get("max_output_tokens")
+        value = body.get("max_output_tokens")  # an integer or null: read by fields.read_responses
         if value is None:
             return limit - prompt_len
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise validation_error(
-                [problem("int_type", "body.max_output_tokens", "Input should be a valid integer", value)]
-            )
         if value > limit:
             raise _bad_param(
                 f"max_output_tokens={value} cannot be greater than max_model_len={limit}. Please request fewer "
@@ -852,22 +863,34 @@ class SimulatorApp:
             raise _bad_param(f"max_tokens must be at least 1, got {value}.", "max_tokens", value)
         return min(value, limit - prompt_len)
 
+    def _reasoning_tokens(self, req: Request, planned: ToolCall | None) -> int:
+        """How many of a text answer's first tokens are reasoning: with a reasoning parser, the first half
+        (rounded up) of the tokens it may produce; none without one, or for a tool call."""
+        if self.model.reasoning_parser is None or planned is not None:
+            return 0
+        return (req.output_limit + 1) // 2
+
     def _responses_output(
-        self, call: responses_api.ResponsesCall, req: Request, planned: ToolCall | None
+        self, call: responses_api.ResponsesCall, req: Request, planned: ToolCall | None, reasoning: int = 0
     ) -> list[dict]:
-        """A finished request's output items: a whole planned call as a function call, else its text as one
-        message (with a parser, none when the text is empty)."""
+        """A finished request's output items: a whole planned call as a function call, else its reasoning (with
+        a reasoning parser) as a reasoning item and the rest of its text as one message (with a parser, none when
+        that text is empty)."""
         if planned is not None and req.stops:
             return [
                 responses_api.call_item(
                     call, responses_api.new_id("fc"), planned.id, planned.name, planned.arguments, "completed"
                 )
             ]
-        text = self._detok(req.output_ids)
+        items = []
+        if reasoning:
+            thought = self._detok(req.output_ids[:reasoning])
+            items.append(responses_api.reasoning_item(responses_api.new_id("rs"), thought))
+        text = self._detok(req.output_ids[reasoning:])
         parser = self.model.tool_call_parser is not None or self.model.reasoning_parser is not None
         if parser and not text:
-            return []
-        return [responses_api.message_item(responses_api.new_id("msg"), text)]
+            return items
+        return [*items, responses_api.message_item(responses_api.new_id("msg"), text)]
 
     # --- Anthropic Messages API ---------------------------------------------------------------------------
     async def messages(self, http: web.Request) -> web.StreamResponse:
@@ -875,10 +898,11 @@ class SimulatorApp:
         chat-completions request, the answer and its events (and errors) in Anthropic's shapes."""
         try:
             body = await self._json(http)
-            if not isinstance(body.get("max_tokens"), int):
+            if "max_tokens" not in body:
                 # Refused by the request model, before the endpoint: in vLLM's plain error shape.
                 error = ApiError(400, "max_tokens: Field required", "Bad Request", "body.max_tokens")
                 return _json_response(error.body(), 400)
+            body = fields.read_messages(body)
             problems = anthropic_field_problems(body)
             if problems:
                 raise validation_error(problems)
@@ -1303,28 +1327,18 @@ class SimulatorApp:
             if chat and body.get("max_completion_tokens") is not None
             else "max_tokens"
         )
-        value = body.get(param)
+        value = body.get(param)  # an integer or null: read by fields.read_chat / read_completion
         if value is None:
             return limit - prompt_len
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise _bad_param(f"{param} must be at least 1, got {value}.", param, value)
         if value > limit:
             raise _bad_param(
                 f"{param}={value} cannot be greater than max_model_len={limit}. Please request fewer output tokens.",
                 param,
                 value,
             )
+        if value < 1:  # checked as the sampling parameters' max_tokens, whichever field set it
+            raise _bad_param(f"max_tokens must be at least 1, got {value}.", "max_tokens", value)
         return min(value, limit - prompt_len)
-
-
-def _choices(body: dict) -> int:
-    """`n`: how many choices to generate (vLLM's default 1)."""
-    n = body.get("n")
-    if n is None:
-        return 1
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise _bad_param(f"n must be at least 1, got {n}.", "n", n)
-    return n
 
 
 async def _merged(generators: list) -> AsyncIterator[tuple[int, int]]:

@@ -1371,3 +1371,609 @@ def test_the_messages_api_refuses_malformed_claude_code_fields_as_vllm_does(engi
     with engine.client() as client:
         response = client.post("/v1/messages?beta=true", json=body, headers=CLAUDE_CODE_HEADERS)
     assert (response.status_code, response.json()) == (400, validation([problem], param))
+
+
+# --- typed fields, read as vLLM's pydantic request models read them ---------------------------------------------
+# Lax mode: "false", "0", "no" are false and "yes", "1" true; "2", " 2 ", "2.0" and 2.0 are 2; 2.5 and anything else
+# are refused in pydantic's words. Some checks run first on the raw body (stream options with no truthy stream,
+# logprob counts that are not numbers). Each case: its route, its fields, and what vLLM 0.32 answers: the kind of
+# answer and its output tokens (None: no usage sent), or the status and error body.
+TYPED_BASES = {
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+    "/v1/completions": {"prompt": "hi", "max_tokens": 3},
+    "/v1/messages": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+    "/v1/responses": {"input": "hi", "max_output_tokens": 3},
+    "/v1/messages/count_tokens": {"messages": [{"role": "user", "content": "hi"}]},
+}
+TYPED_FIELDS = {
+    "chat-stream-string-false": ("/v1/chat/completions", {"stream": "false"}, ("json", 3)),
+    "chat-stream-string-no": ("/v1/chat/completions", {"stream": "no"}, ("json", 3)),
+    "chat-stream-string-yes": (
+        "/v1/chat/completions",
+        {"stream": "yes", "stream_options": {"include_usage": True}},
+        ("sse", 3),
+    ),
+    "chat-stream-one": (
+        "/v1/chat/completions",
+        {"stream": 1, "stream_options": {"include_usage": True}},
+        ("sse", 3),
+    ),
+    "chat-stream-zero": ("/v1/chat/completions", {"stream": 0}, ("json", 3)),
+    "chat-stream-string-3": (
+        "/v1/chat/completions",
+        {"stream": "3"},
+        (
+            400,
+            {
+                "error": {
+                    "message": "1 validation error:\n  {'type': 'bool_parsing', 'loc': 'body.stream', 'msg': 'Input should be a valid boolean, unable to interpret input', 'input': '3'}",
+                    "type": "Bad Request",
+                    "param": "body.stream",
+                    "code": 400,
+                }
+            },
+        ),
+    ),
+    "chat-stream-a-fraction": (
+        "/v1/chat/completions",
+        {"stream": 3.5},
+        (
+            400,
+            {
+                "error": {
+                    "message": "1 validation error:\n  {'type': 'bool_type', 'loc': 'body.stream', 'msg': 'Input should be a valid boolean', 'input': '3.5'}",
+                    "type": "Bad Request",
+                    "param": "body.stream",
+                    "code": 400,
+                }
+            },
+        ),
+    ),
+    "chat-stream-a-list": (
+        "/v1/chat/completions",
+        {"stream": []},
+        (
+            400,
+            {
+                "error": {
+                    "message": "1 validation error:\n  {'type': 'bool_type', 'loc': 'body.stream', 'msg': 'Input should be a valid boolean', 'input': '<list of 0 items>'}",
+                    "type": "Bad Request",
+                    "param": "body.stream",
+                    "code": 400,
+                }
+            },
+        ),
+    ),
+    "chat-n-a-string": ("/v1/chat/completions", {"n": "2"}, ("json", 6)),
+    "chat-n-a-whole-float": ("/v1/chat/completions", {"n": 2.0}, ("json", 6)),
+    "chat-n-a-fraction": (
+        "/v1/chat/completions",
+        {"n": 2.5},
+        (
+            400,
+            {
+                "error": {
+                    "message": "1 validation error:\n  {'type': 'int_from_float', 'loc': 'body.n', 'msg': 'Input should be a valid integer, got a number with a fractional part', 'input': '2.5'}",
+                    "type": "Bad Request",
+                    "param": "body.n",
+                    "code": 400,
+                }
+            },
+        ),
+    ),
+    "chat-n-string-zero": (
+        "/v1/chat/completions",
+        {"n": "0"},
+        (
+            400,
+            {
+                "error": {
+                    "message": "n must be at least 1, got 0.",
+                    "type": "BadRequestError",
+                    "param": None,
+                    "code": 400,
+                }
+            },
+        ),
+    ),
+    "chat-n-huge": (
+        "/v1/chat/completions",
+        {"n": 1180591620717411303424},
+        (
+            400,
+            {
+                "error": {
+                    "message": "n must be at most 16384, got 1180591620717411303424. To increase this limit, set the VLLM_MAX_N_SEQUENCES environment variable.",
+                    "type": "BadRequestError",
+                    "param": None,
+                    "code": 400,
+                }
+            },
+        ),
+    ),
+    "chat-max-tokens-a-padded-string": ("/v1/chat/completions", {"max_tokens": " 2 "}, ("json", 2)),
+    "chat-max-tokens-a-float-string": ("/v1/chat/completions", {"max_tokens": "2.0"}, ("json", 2)),
+    "chat-max-tokens-a-fraction": (
+        "/v1/chat/completions",
+        {"max_tokens": 2.5},
+        (
+            400,
+            {
+                "error": {
+                    "message": "1 validation error:\n  {'type': 'int_from_float', 'loc': 'body.max_tokens', 'msg': 'Input should be a valid integer, got a number with a fractional part', 'input': '2.5'}",
+                    "type": "Bad Request",
+                    "param": "body.max_tokens",
+                    "code": 400,
+                }
+            },
+        ),
+    ),
+    "chat-max-tokens-string-zero": (
+        "/v1/chat/completions",
+        {"max_tokens": "0"},
+        (
+            400,
+            {
+                "error": {
+                    "message": "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)",
+                    "type": "BadRequestError",
+                    "param": "max_tokens",
+                    "code": 400,
+                }
+            },
+        ),
+    ),
+    "chat-max-tokens-too-big-a-float": (
+        "/v1/chat/completions",
+        {"max_tokens": 1e30},
+        (
+            400,
+            {
+                "error": {
+                    "message": "1 validation error:\n  {'type': 'int_parsing_size', 'loc': 'body.max_tokens', 'msg': 'Unable to parse input string as an integer, exceeded maximum size', 'input': '1e+30'}",
+                    "type": "Bad Request",
+                    "param": "body.max_tokens",
+                    "code": 400,
+                }
+            },
+        ),
+    ),
+    "chat-max-completion-tokens-zero": (
+        "/v1/chat/completions",
+        {"max_completion_tokens": 0},
+        (
+            400,
+            {
+                "error": {
+                    "message": "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)",
+                    "type": "BadRequestError",
+                    "param": "max_tokens",
+                    "code": 400,
+                }
+            },
+        ),
+    ),
+    "chat-max-completion-tokens-null": ("/v1/chat/completions", {"max_completion_tokens": None}, ("json", 3)),
+    "chat-logprobs-string-yes": ("/v1/chat/completions", {"logprobs": "yes"}, ("json", 3)),
+    "chat-logprobs-string-3": (
+        "/v1/chat/completions",
+        {"logprobs": "3"},
+        (
+            400,
+            {
+                "error": {
+                    "message": "1 validation error:\n  {'type': 'bool_parsing', 'loc': 'body.logprobs', 'msg': 'Input should be a valid boolean, unable to interpret input', 'input': '3'}",
+                    "type": "Bad Request",
+                    "param": "body.logprobs",
+                    "code": 400,
+                }
+            },
+        ),
+    ),
+    "chat-top-logprobs-a-string": (
+        "/v1/chat/completions",
+        {"top_logprobs": "3"},
+        (
+            400,
+            {
+                "error": {
+                    "message": "`top_logprobs` must be an integer. (parameter=top_logprobs, value=3)",
+                    "type": "BadRequestError",
+                    "param": "top_logprobs",
+                    "code": 400,
+                }
+            },
+        ),
+    ),
+    "chat-top-logprobs-without-logprobs": (
+        "/v1/chat/completions",
+        {"top_logprobs": 3.5},
+        (
+            400,
+            {
+                "error": {
+                    "message": "when using `top_logprobs`, `logprobs` must be set to true. (parameter=top_logprobs)",
+                    "type": "BadRequestError",
+                    "param": "top_logprobs",
+                    "code": 400,
+                }
+            },
+        ),
+    ),
+    "chat-top-logprobs-over-the-limit": (
+        "/v1/chat/completions",
+        {"top_logprobs": 21, "logprobs": True},
+        (
+            400,
+            {
+                "error": {
+                    "message": "Requested sample logprobs of 21, which is greater than max allowed: 20 (parameter=logprobs, value=21)",
+                    "type": "BadRequestError",
+                    "param": "logprobs",
+                    "code": 400,
+                }
+            },
+        ),
+    ),
+    "chat-prompt-logprobs-a-fraction": (
+        "/v1/chat/completions",
+        {"prompt_logprobs": 3.5},
+        (
+            400,
+            {
+                "error": {
+                    "message": "1 validation error:\n  {'type': 'int_from_float', 'loc': 'body.prompt_logprobs', 'msg': 'Input should be a valid integer, got a number with a fractional part', 'input': '3.5'}",
+                    "type": "Bad Request",
+                    "param": "body.prompt_logprobs",
+                    "code": 400,
+                }
+            },
+        ),
+    ),
+    "chat-prompt-logprobs-all": (
+        "/v1/chat/completions",
+        {"prompt_logprobs": -1},
+        (
+            400,
+            {
+                "error": {
+                    "message": "Requested prompt logprobs of 32768, which is greater than max allowed: 20 (parameter=prompt_logprobs, value=32768)",
+                    "type": "BadRequestError",
+                    "param": "prompt_logprobs",
+                    "code": 400,
+                }
+            },
+        ),
+    ),
+    "chat-prompt-logprobs-on-a-stream": (
+        "/v1/chat/completions",
+        {"prompt_logprobs": 1, "stream": True},
+        (
+            400,
+            {
+                "error": {
+                    "message": "`prompt_logprobs` are not available when `stream=True`. (parameter=prompt_logprobs)",
+                    "type": "BadRequestError",
+                    "param": "prompt_logprobs",
+                    "code": 400,
+                }
+            },
+        ),
+    ),
+    "chat-echo-null": (
+        "/v1/chat/completions",
+        {"echo": None},
+        (
+            400,
+            {
+                "error": {
+                    "message": "1 validation error:\n  {'type': 'bool_type', 'loc': 'body.echo', 'msg': 'Input should be a valid boolean', 'input': 'None'}",
+                    "type": "Bad Request",
+                    "param": "body.echo",
+                    "code": 400,
+                }
+            },
+        ),
+    ),
+    "chat-stream-options-without-stream": (
+        "/v1/chat/completions",
+        {"stream_options": {"include_usage": True}},
+        (
+            400,
+            {
+                "error": {
+                    "message": "Stream options can only be defined when `stream=True`. (parameter=stream_options)",
+                    "type": "BadRequestError",
+                    "param": "stream_options",
+                    "code": 400,
+                }
+            },
+        ),
+    ),
+    "chat-stream-options-a-string": (
+        "/v1/chat/completions",
+        {"stream_options": "yes", "stream": True},
+        (
+            400,
+            {
+                "error": {
+                    "message": "1 validation error:\n  {'type': 'model_attributes_type', 'loc': 'body.stream_options', 'msg': 'Input should be a valid dictionary or object to extract fields from', 'input': 'yes'}",
+                    "type": "Bad Request",
+                    "param": "body.stream_options",
+                    "code": 400,
+                }
+            },
+        ),
+    ),
+    "chat-stream-options-an-empty-string": (
+        "/v1/chat/completions",
+        {"stream_options": ""},
+        (
+            400,
+            {
+                "error": {
+                    "message": "1 validation error:\n  {'type': 'model_attributes_type', 'loc': 'body.stream_options', 'msg': 'Input should be a valid dictionary or object to extract fields from', 'input': ''}",
+                    "type": "Bad Request",
+                    "param": "body.stream_options",
+                    "code": 400,
+                }
+            },
+        ),
+    ),
+    "chat-stream-options-string-false-stream": (
+        "/v1/chat/completions",
+        {"stream_options": {"include_usage": True}, "stream": "false"},
+        ("json", 3),
+    ),
+    "chat-include-usage-string-false": (
+        "/v1/chat/completions",
+        {"stream_options": {"include_usage": "false"}, "stream": True},
+        ("sse", None),
+    ),
+    "chat-include-usage-a-fraction": (
+        "/v1/chat/completions",
+        {"stream_options": {"include_usage": 1.5}, "stream": True},
+        (
+            400,
+            {
+                "error": {
+                    "message": "1 validation error:\n  {'type': 'bool_type', 'loc': 'body.stream_options.include_usage', 'msg': 'Input should be a valid boolean', 'input': '1.5'}",
+                    "type": "Bad Request",
+                    "param": "body.stream_options.include_usage",
+                    "code": 400,
+                }
+            },
+        ),
+    ),
+    "completion-stream-string-0": ("/v1/completions", {"stream": "0"}, ("json", 3)),
+    "completion-n-null": (
+        "/v1/completions",
+        {"n": None},
+        (
+            400,
+            {
+                "error": {
+                    "message": "1 validation error:\n  {'type': 'int_type', 'loc': 'body.n', 'msg': 'Input should be a valid integer', 'input': 'None'}",
+                    "type": "Bad Request",
+                    "param": "body.n",
+                    "code": 400,
+                }
+            },
+        ),
+    ),
+    "completion-n-a-string": ("/v1/completions", {"n": "2"}, ("json", 6)),
+    "completion-max-tokens-null": ("/v1/completions", {"max_tokens": None}, ("json", 16)),
+    "completion-max-tokens-a-string": ("/v1/completions", {"max_tokens": "2"}, ("json", 2)),
+    "completion-logprobs-a-string": (
+        "/v1/completions",
+        {"logprobs": "3"},
+        (
+            400,
+            {
+                "error": {
+                    "message": "`logprobs` must be an integer. (parameter=logprobs, value=3)",
+                    "type": "BadRequestError",
+                    "param": "logprobs",
+                    "code": 400,
+                }
+            },
+        ),
+    ),
+    "completion-logprobs-negative": (
+        "/v1/completions",
+        {"logprobs": -2},
+        (
+            400,
+            {
+                "error": {
+                    "message": "`logprobs` must be a positive value or -1. (parameter=logprobs, value=-2)",
+                    "type": "BadRequestError",
+                    "param": "logprobs",
+                    "code": 400,
+                }
+            },
+        ),
+    ),
+    "completion-logprobs-over-the-limit": (
+        "/v1/completions",
+        {"logprobs": 21},
+        (
+            400,
+            {
+                "error": {
+                    "message": "Requested sample logprobs of 21, which is greater than max allowed: 20 (parameter=logprobs, value=21)",
+                    "type": "BadRequestError",
+                    "param": "logprobs",
+                    "code": 400,
+                }
+            },
+        ),
+    ),
+    "completion-echo-a-fraction": (
+        "/v1/completions",
+        {"echo": 0.5},
+        (
+            400,
+            {
+                "error": {
+                    "message": "1 validation error:\n  {'type': 'bool_type', 'loc': 'body.echo', 'msg': 'Input should be a valid boolean', 'input': '0.5'}",
+                    "type": "Bad Request",
+                    "param": "body.echo",
+                    "code": 400,
+                }
+            },
+        ),
+    ),
+    "completion-include-usage-string-yes": (
+        "/v1/completions",
+        {"stream": "true", "stream_options": {"include_usage": "yes"}},
+        ("sse", 3),
+    ),
+    "messages-stream-string-false": ("/v1/messages", {"stream": "false"}, ("json", 3)),
+    "messages-stream-string-yes": ("/v1/messages", {"stream": "yes"}, ("sse", 3)),
+    "messages-stream-a-fraction": (
+        "/v1/messages",
+        {"stream": 0.5},
+        (
+            400,
+            {
+                "error": {
+                    "message": "1 validation error:\n  {'type': 'bool_type', 'loc': 'body.stream', 'msg': 'Input should be a valid boolean', 'input': '0.5'}",
+                    "type": "Bad Request",
+                    "param": "body.stream",
+                    "code": 400,
+                }
+            },
+        ),
+    ),
+    "messages-max-tokens-a-string": ("/v1/messages", {"max_tokens": "2"}, ("json", 2)),
+    "messages-max-tokens-a-fraction": (
+        "/v1/messages",
+        {"max_tokens": 2.5},
+        (
+            400,
+            {
+                "error": {
+                    "message": "1 validation error:\n  {'type': 'int_from_float', 'loc': 'body.max_tokens', 'msg': 'Input should be a valid integer, got a number with a fractional part', 'input': '2.5'}",
+                    "type": "Bad Request",
+                    "param": "body.max_tokens",
+                    "code": 400,
+                }
+            },
+        ),
+    ),
+    "messages-max-tokens-null": (
+        "/v1/messages",
+        {"max_tokens": None},
+        (
+            400,
+            {
+                "error": {
+                    "message": "1 validation error:\n  {'type': 'int_type', 'loc': 'body.max_tokens', 'msg': 'Input should be a valid integer', 'input': 'None'}",
+                    "type": "Bad Request",
+                    "param": "body.max_tokens",
+                    "code": 400,
+                }
+            },
+        ),
+    ),
+    "messages-max-tokens-string-zero": (
+        "/v1/messages",
+        {"max_tokens": "0"},
+        (
+            400,
+            {
+                "error": {
+                    "message": "1 validation error:\n  {'type': 'value_error', 'loc': 'body.max_tokens', 'msg': 'Value error, max_tokens must be positive', 'input': '0', 'ctx': {'error': ValueError('max_tokens must be positive')}}",
+                    "type": "Bad Request",
+                    "param": "body.max_tokens",
+                    "code": 400,
+                }
+            },
+        ),
+    ),
+    "responses-stream-string-false": ("/v1/responses", {"stream": "false"}, ("json", 3)),
+    "responses-stream-one": ("/v1/responses", {"stream": 1}, ("sse", 3)),
+    "responses-stream-an-object": (
+        "/v1/responses",
+        {"stream": {"on": True}},
+        (
+            400,
+            {
+                "error": {
+                    "message": "1 validation error:\n  {'type': 'bool_type', 'loc': 'body.stream', 'msg': 'Input should be a valid boolean', 'input': '<dict of 1 items>'}",
+                    "type": "Bad Request",
+                    "param": "body.stream",
+                    "code": 400,
+                }
+            },
+        ),
+    ),
+    "responses-max-output-tokens-a-string": ("/v1/responses", {"max_output_tokens": "2"}, ("json", 2)),
+    "responses-max-output-tokens-a-fraction": (
+        "/v1/responses",
+        {"max_output_tokens": 2.5},
+        (
+            400,
+            {
+                "error": {
+                    "message": "1 validation error:\n  {'type': 'int_from_float', 'loc': 'body.max_output_tokens', 'msg': 'Input should be a valid integer, got a number with a fractional part', 'input': '2.5'}",
+                    "type": "Bad Request",
+                    "param": "body.max_output_tokens",
+                    "code": 400,
+                }
+            },
+        ),
+    ),
+    "responses-top-logprobs-a-word": (
+        "/v1/responses",
+        {"top_logprobs": "many"},
+        (
+            400,
+            {
+                "error": {
+                    "message": "1 validation error:\n  {'type': 'int_parsing', 'loc': 'body.top_logprobs', 'msg': 'Input should be a valid integer, unable to parse string as an integer', 'input': 'many'}",
+                    "type": "Bad Request",
+                    "param": "body.top_logprobs",
+                    "code": 400,
+                }
+            },
+        ),
+    ),
+    "count-tokens-ignores-stream-and-max-tokens": (
+        "/v1/messages/count_tokens",
+        {"stream": "maybe", "max_tokens": 2.5},
+        ("json", None),
+    ),
+}
+
+
+def answered_output(reply: httpx.Response) -> tuple[str, int | None]:
+    """("sse" or "json", the output tokens of the answer's last usage, None when it has none)."""
+    if "text/event-stream" not in reply.headers["content-type"]:
+        usage = reply.json().get("usage")
+        found = "json"
+    else:
+        usage, found = None, "sse"
+        for line in reply.text.splitlines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                data = json.loads(line[len("data: ") :])
+                usage = data.get("usage") or (data.get("response") or {}).get("usage") or usage
+    if usage is None:
+        return found, None
+    return found, usage.get("completion_tokens", usage.get("output_tokens"))
+
+
+@pytest.mark.parametrize("case", TYPED_FIELDS)
+def test_typed_fields_are_read_as_vllms_request_models_read_them(engine, case):
+    path, extra, expected = TYPED_FIELDS[case]
+    body = {"model": MODEL_NAME, **TYPED_BASES[path], **extra}
+    with engine.client() as client:
+        reply = client.post(path, json=body)
+    if isinstance(expected[0], int):
+        assert (reply.status_code, reply.json()) == expected
+    elif path == "/v1/messages/count_tokens":
+        assert reply.status_code == 200 and reply.json()["input_tokens"] > 0
+    else:
+        assert reply.status_code == 200, reply.text
+        assert answered_output(reply) == expected
