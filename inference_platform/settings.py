@@ -159,7 +159,8 @@ LOCAL_ENGINE_LOAD_FORMAT = env_secret("LOCAL_ENGINE_LOAD_FORMAT") or "dummy"
 # local vLLM's on dummy weights (a logits processor, serving/engine_plugins/answer_length.py).
 DUMMY_ANSWER_LENGTH = env_int("DUMMY_ANSWER_LENGTH", 317)
 # The simulator answers a user turn with a tool call only while the conversation holds fewer than this many
-# (0: always), so an agent's loop ends.
+# (0: always), so an agent's loop ends; vLLM on dummy weights with the hermes parser calls tools the same way
+# (0: never; serving/engine_plugins/tool_calls.py).
 SIMULATOR_TOOL_CALLS_PER_CONVERSATION = env_int("SIMULATOR_TOOL_CALLS_PER_CONVERSATION", 2)
 ENGINE_HEALTH_TIMEOUT_S = 1.0
 # Real vLLM on 2 CPU cores needs about 85-140 s to turn healthy.

@@ -196,8 +196,12 @@ def media_args(deployment: ModelDeployment) -> list[str]:
     return ["--allowed-media-domains", *domains]
 
 
-# vLLM's logits processor that ends answers on dummy weights (the module runs in the engine's own environment).
+# vLLM's logits processors that end answers and call tools on dummy weights, as the simulator's model does (the
+# modules run in the engine's own environment).
 ANSWER_LENGTH_PROCESSOR = "serving.engine_plugins.answer_length:AnswerLength"
+TOOL_CALLS_PROCESSOR = "serving.engine_plugins.tool_calls:ToolCalls"
+# The tool-call format the tool-calling processor writes.
+SCRIPTED_TOOL_PARSER = "hermes"
 
 
 def simulated_model_args() -> list[str]:
@@ -209,6 +213,16 @@ def simulated_model_args() -> list[str]:
     if settings.SIMULATOR_TOOL_CALLS_PER_CONVERSATION:
         argv += ["--tool-calls-per-conversation", str(settings.SIMULATOR_TOOL_CALLS_PER_CONVERSATION)]
     return argv
+
+
+def dummy_model_processors(argv: list[str]) -> list[str]:
+    """The logits processors a vLLM engine on random weights runs: answers that end, and, with the tool-call
+    parser whose format they write, tool calls (settings.SIMULATOR_TOOL_CALLS_PER_CONVERSATION per conversation)."""
+    processors = [ANSWER_LENGTH_PROCESSOR]
+    parser = argv[argv.index("--tool-call-parser") + 1] if "--tool-call-parser" in argv else None
+    if parser == SCRIPTED_TOOL_PARSER and settings.SIMULATOR_TOOL_CALLS_PER_CONVERSATION:
+        processors.append(TOOL_CALLS_PROCESSOR)
+    return processors
 
 
 def render_engine_command(*, deployment: ModelDeployment, pool: Pool, ports: EnginePorts) -> EngineCommand:
@@ -262,8 +276,8 @@ def render_engine_command(*, deployment: ModelDeployment, pool: Pool, ports: Eng
     if deployment.engine_kind == EngineKind.SIM:
         argv += simulated_model_args()
     elif dummy_answers:
-        # Random weights never stop: vLLM plays a model that does, as the simulator does.
-        argv += ["--logits-processors", ANSWER_LENGTH_PROCESSOR]
+        # Random weights never stop nor call a tool: vLLM plays a model that does both, as the simulator does.
+        argv += ["--logits-processors", *dummy_model_processors(argv)]
     if pool.enable_kv_events:
         events = {
             "enable_kv_cache_events": True,
@@ -291,6 +305,7 @@ def render_engine_command(*, deployment: ModelDeployment, pool: Pool, ports: Eng
         env |= {
             "PYTHONPATH": str(settings.BASE_DIR),
             "PLATFORM_ANSWER_LENGTH": str(settings.DUMMY_ANSWER_LENGTH),
+            "PLATFORM_TOOL_CALLS_PER_CONVERSATION": str(settings.SIMULATOR_TOOL_CALLS_PER_CONVERSATION),
         }
     if media:
         # vLLM checks the domain of the URL it is given, not of where a redirect leads.

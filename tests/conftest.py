@@ -90,7 +90,14 @@ def make_usage(key: IssuedKey, request_id: str, **fields) -> UsageRecord:
 # environment's interpreter itself (not `settings.ENGINE_PYTHON`, which only names it in a command line).
 STARTS_VLLM = re.compile(r'start_engines?\(\s*"vllm"|(?<![.\w])ENGINE_PYTHON\b')
 STARTS_BROWSER = re.compile(r"\bplaywright\b")
-ENGINE_KINDS = {"sim": "sim", "sim_engine": "sim", "vllm": "vllm", "vllm_engine": "vllm"}
+ENGINE_KINDS = {
+    "sim": "sim",
+    "sim_engine": "sim",
+    "demo_sim": "sim",
+    "vllm": "vllm",
+    "vllm_engine": "vllm",
+    "demo_vllm": "vllm",
+}
 
 
 @functools.cache

@@ -31,6 +31,7 @@ from routing.dialects import (
     responses_chat_request,
 )
 from routing.tokenize import rejects_inline_system, template_traits
+from serving.engine_plugins.tool_arguments import example_arguments
 
 from . import fields
 from . import responses as responses_api
@@ -202,56 +203,6 @@ def _named_tool(choice) -> str | None:
         function = choice.get("function")
         if isinstance(function, dict) and isinstance(function.get("name"), str):
             return function["name"]
-    return None
-
-
-def example_arguments(schema) -> dict:
-    """A deterministic arguments object for a tool's parameter schema: its required properties, each with a
-    simple value of its type (an enum's first value, a const, an array's least number of items)."""
-    value = _example(schema if isinstance(schema, dict) else {}, schema, 0)
-    return value if isinstance(value, dict) else {}
-
-
-def _example(schema: dict, root, depth: int):
-    if not isinstance(schema, dict) or depth > 16:
-        return None
-    ref = schema.get("$ref")
-    if isinstance(ref, str) and ref.startswith("#/") and isinstance(root, dict):
-        target = root
-        for part in ref[2:].split("/"):
-            target = target.get(part) if isinstance(target, dict) else None
-        return _example(target, root, depth + 1) if isinstance(target, dict) else None
-    if "const" in schema:
-        return schema["const"]
-    if isinstance(schema.get("enum"), list) and schema["enum"]:
-        return schema["enum"][0]
-    for key in ("anyOf", "oneOf", "allOf"):
-        options = schema.get(key)
-        if isinstance(options, list) and options:
-            return _example(options[0], root, depth + 1)
-    kind = schema.get("type")
-    if isinstance(kind, list):
-        kind = next((k for k in kind if k != "null"), "null")
-    if kind is None:
-        kind = "object" if "properties" in schema else "array" if "items" in schema else None
-    if kind == "object":
-        properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
-        required = schema.get("required") if isinstance(schema.get("required"), list) else []
-        return {
-            name: _example(properties.get(name, {}), root, depth + 1)
-            for name in required
-            if isinstance(name, str)
-        }
-    if kind == "array":
-        count = schema.get("minItems") if isinstance(schema.get("minItems"), int) else 0
-        return [_example(schema.get("items", {}), root, depth + 1) for _ in range(count)]
-    if kind == "string":
-        return "example"
-    if kind in ("integer", "number"):
-        low = schema.get("minimum")
-        return low if isinstance(low, int | float) and not isinstance(low, bool) else 0
-    if kind == "boolean":
-        return False
     return None
 
 

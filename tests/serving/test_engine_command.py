@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 from django.conf import settings
 
-from serving.engine_command import EnginePorts, UnsupportedEngineOption, render_engine_command
+from serving.engine_command import (
+    ANSWER_LENGTH_PROCESSOR,
+    TOOL_CALLS_PROCESSOR,
+    EnginePorts,
+    UnsupportedEngineOption,
+    dummy_model_processors,
+    render_engine_command,
+)
 from serving.model_families import FAMILIES
 from serving.models import ModelDeployment, Pool
 
@@ -23,6 +30,7 @@ DUMMY_WEIGHTS_ENV = {
     "PYTHONHASHSEED": "0",
     "PYTHONPATH": str(settings.BASE_DIR),
     "PLATFORM_ANSWER_LENGTH": "317",
+    "PLATFORM_TOOL_CALLS_PER_CONVERSATION": "2",
 }
 
 
@@ -81,9 +89,11 @@ def test_it_renders_the_vllm_command_line():
         "--enable-auto-tool-choice",
         "--tool-call-parser",
         "hermes",
-        # On dummy weights its answers end by themselves (serving/engine_plugins/answer_length.py).
+        # On dummy weights its answers end by themselves and it calls tools in the hermes format
+        # (serving/engine_plugins/answer_length.py, tool_calls.py).
         "--logits-processors",
         "serving.engine_plugins.answer_length:AnswerLength",
+        "serving.engine_plugins.tool_calls:ToolCalls",
         "--kv-events-config",
         json.dumps(events, separators=(",", ":")),
     ]
@@ -111,8 +121,9 @@ def test_it_runs_the_simulator_with_the_same_flags_and_its_model_s_own():
     SIMULATOR_TOOL_CALLS_PER_CONVERSATION), where vLLM on dummy weights has its logits processor."""
     vllm = render_engine_command(deployment=deployment(), pool=pool(), ports=PORTS)
     at = vllm.argv.index("--logits-processors")
-    del vllm.argv[at : at + 2]
-    vllm.env.pop("PYTHONPATH"), vllm.env.pop("PLATFORM_ANSWER_LENGTH")
+    del vllm.argv[at : at + 3]
+    for name in ("PYTHONPATH", "PLATFORM_ANSWER_LENGTH", "PLATFORM_TOOL_CALLS_PER_CONVERSATION"):
+        vllm.env.pop(name)
     sim = render_engine_command(deployment=deployment(engine_kind="sim"), pool=pool(), ports=PORTS)
     assert sim.argv[:3] == [sys.executable, "-m", "serving.simulator"]
     own = ["--answer-length", "317", "--tool-calls-per-conversation", "2"]
@@ -408,3 +419,16 @@ def test_the_simulator_accepts_every_flag_rendered(fields, cpu_blocks):
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == f"parsed {cpu_blocks}"
+
+
+def test_dummy_weights_call_tools_only_in_the_format_their_processor_writes(settings):
+    """The tool-calling processor writes Hermes calls: an engine with another parser, or with the setting at 0,
+    gets only the answer length."""
+    assert dummy_model_processors(["--tool-call-parser", "hermes"]) == [
+        ANSWER_LENGTH_PROCESSOR,
+        TOOL_CALLS_PROCESSOR,
+    ]
+    assert dummy_model_processors(["--tool-call-parser", "llama3_json"]) == [ANSWER_LENGTH_PROCESSOR]
+    assert dummy_model_processors([]) == [ANSWER_LENGTH_PROCESSOR]
+    settings.SIMULATOR_TOOL_CALLS_PER_CONVERSATION = 0
+    assert dummy_model_processors(["--tool-call-parser", "hermes"]) == [ANSWER_LENGTH_PROCESSOR]
