@@ -338,6 +338,32 @@ ROUTER_MAX_PROMPT_LOGPROB_ENTRIES = env_int("ROUTER_MAX_PROMPT_LOGPROB_ENTRIES",
 # Prompts waiting to be tokenized, and how long one waits; past either, the request is routed on load alone.
 ROUTER_TOKENIZE_QUEUE = env_int("ROUTER_TOKENIZE_QUEUE", 64)
 ROUTER_TOKENIZE_WAIT_SECONDS = float(env_secret("ROUTER_TOKENIZE_WAIT_SECONDS") or 2.0)
+# Requests whose JSON is at least TOKENIZE_POOL_MIN_BYTES long are tokenized in TOKENIZE_PROCESSES worker processes
+# (routing/tokenize_pool.py), so a large prompt does not stop the replica's streams; smaller ones on the router's
+# tokenizing thread, where they cost less. 0 processes: all on the thread.
+ROUTER_TOKENIZE_PROCESSES = env_int("ROUTER_TOKENIZE_PROCESSES", 2)
+ROUTER_TOKENIZE_POOL_MIN_BYTES = env_int("ROUTER_TOKENIZE_POOL_MIN_BYTES", 16 * 1024)
+# /v1/messages/count_tokens: its largest body (a 413 past it), and how long it waits for its count (then a 503).
+# Each call counts against its key's and team's requests per minute, as a generation request does.
+ROUTER_COUNT_TOKENS_MAX_BYTES = env_int("ROUTER_COUNT_TOKENS_MAX_BYTES", 4 * 1024 * 1024)
+ROUTER_COUNT_TOKENS_WAIT_SECONDS = float(env_secret("ROUTER_COUNT_TOKENS_WAIT_SECONDS") or 30.0)
+# Work before admission (routing/intake.py). A request body must arrive whole within BODY_TIMEOUT seconds and, past
+# its first 5 seconds, at BODY_MIN_BYTES_PER_SECOND on average (else a 408 and the connection is closed). One key
+# may have at most INTAKE_PER_KEY requests on a replica whose bodies are still arriving (else a 429). A client that
+# takes nothing of its answer for SEND_TIMEOUT seconds is cut off, as one that hung up.
+ROUTER_BODY_TIMEOUT_SECONDS = float(env_secret("ROUTER_BODY_TIMEOUT_SECONDS") or 60.0)
+ROUTER_BODY_MIN_BYTES_PER_SECOND = env_int("ROUTER_BODY_MIN_BYTES_PER_SECOND", 16 * 1024)
+ROUTER_INTAKE_PER_KEY = env_int("ROUTER_INTAKE_PER_KEY", 64)
+ROUTER_SEND_TIMEOUT_SECONDS = float(env_secret("ROUTER_SEND_TIMEOUT_SECONDS") or 30.0)
+# Served with `--http routing.http_server:LimitedHttpToolsProtocol`: a request's headers must be at most
+# MAX_HEADER_BYTES (else a 431) and complete within HEADER_TIMEOUT seconds of their first byte (else a 408).
+ROUTER_MAX_HEADER_BYTES = env_int("ROUTER_MAX_HEADER_BYTES", 64 * 1024)
+ROUTER_HEADER_TIMEOUT_SECONDS = float(env_secret("ROUTER_HEADER_TIMEOUT_SECONDS") or 10.0)
+# The router's /metrics answers only `Authorization: Bearer <ROUTER_METRICS_TOKEN>` (a 401 otherwise); with none
+# set it is not served. A development stack (DEBUG) makes one in the state folder.
+ROUTER_METRICS_TOKEN = env_secret("ROUTER_METRICS_TOKEN") or (
+    local_secret(STATE_DIR / "router_metrics_token") if DEBUG else ""
+)
 # The per-deployment engine API keys are HMACs under this secret (serving/engine_keys.py); the router and the
 # worker must share it. Blank: SECRET_KEY.
 ENGINE_KEY_SECRET = env_secret("ENGINE_KEY_SECRET") or ""

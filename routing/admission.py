@@ -120,6 +120,24 @@ end
 return 1
 """
 
+# A request that takes no tokens of a quota (count_tokens): counted against the requests per minute of each scope,
+# refused when one is at its limit. KEYS: each scope's rpm key. ARGV: window_ttl, then each scope's rpm limit.
+# Returns {0, scope_index, retry_after} when refused, else {1, rpm_remaining} for the tightest scope.
+COUNT_REQUEST = """
+local window_ttl = tonumber(ARGV[1])
+local remaining = -1
+for s = 1, #KEYS do
+  local used = tonumber(redis.call('GET', KEYS[s]) or '0')
+  local rpm = tonumber(ARGV[s + 1])
+  if used + 1 > rpm then return {0, s - 1, window_ttl} end
+  if remaining < 0 or rpm - used - 1 < remaining then remaining = rpm - used - 1 end
+end
+for s = 1, #KEYS do
+  redis.call('INCR', KEYS[s]); redis.call('EXPIRE', KEYS[s], window_ttl + 60)
+end
+return {1, remaining}
+"""
+
 LIMIT_MESSAGES = {
     "requests": "requests per minute",
     "input_tokens": "input tokens per minute",
@@ -178,6 +196,7 @@ class Admission:
         self.redis = redis
         self._admit = redis.register_script(ADMIT)
         self._settle = redis.register_script(SETTLE)
+        self._count_request = redis.register_script(COUNT_REQUEST)
         if lease_s is None:
             lease_s = settings.ROUTER_CONCURRENCY_LEASE_SECONDS
         self.lease_s = float(lease_s)
@@ -189,7 +208,7 @@ class Admission:
     def _scope_keys(kind: str, ident: int, quota: QuotaInfo, minute: int, budget_start: int) -> list[str]:
         base = f"q:{kind}:{ident}"
         return [
-            f"{base}:rpm:{minute}",
+            _rpm_key(kind, ident, minute),
             f"{base}:itpm:{minute}",
             f"{base}:otpm:{minute}",
             f"{base}:conc",
@@ -245,15 +264,27 @@ class Admission:
         scope_index, limit, retry_after = int(result[1]), result[2], int(result[3])
         limit = limit.decode() if isinstance(limit, bytes) else limit
         kind, _, quota = scopes[scope_index]
-        headers = {
-            "retry-after": str(max(1, retry_after)),
-            "x-ratelimit-reset-requests": f"{max(1, retry_after)}s",
-        }
-        if quota.requests_per_minute is not None:
-            headers["x-ratelimit-limit-requests"] = str(quota.requests_per_minute)
-        if quota.token_budget is not None:
-            headers["x-ratelimit-limit-tokens"] = str(quota.token_budget)
-        return Decision(False, scope=kind, limit=limit, retry_after=max(1, retry_after), headers=headers)
+        return _refused(kind, quota, limit, retry_after)
+
+    async def count_request(
+        self, *, team_id: int, key_id: int, team_quota: QuotaInfo | None, key_quota: QuotaInfo | None
+    ) -> Decision:
+        """Count a request that takes no tokens, slot or budget (count_tokens) against the requests per minute
+        of its team and key, in the same counters `admit` checks; refused when either is at its limit."""
+        scopes = [("team", team_id, team_quota), ("key", key_id, key_quota)]
+        scopes = [(k, i, q) for k, i, q in scopes if q is not None and q.requests_per_minute is not None]
+        if not scopes:
+            return Decision(True)
+        now = time.time()
+        minute = int(now // 60)
+        window_ttl = 60 - int(now % 60)
+        keys = [_rpm_key(kind, ident, minute) for kind, ident, _ in scopes]
+        args = [window_ttl, *(int(quota.requests_per_minute) for _, _, quota in scopes)]
+        result = await self._count_request(keys=keys, args=args)
+        if result[0] == 1:
+            return Decision(True, headers={"x-ratelimit-remaining-requests": str(result[1])})
+        kind, _, quota = scopes[int(result[1])]
+        return _refused(kind, quota, "requests", int(result[2]))
 
     def settle_in(
         self, pipe, reservation: Reservation, input_delta: int, output_delta: int, spend_delta: int
@@ -302,6 +333,21 @@ class Admission:
                 pipe.expire(key, math.ceil(self.lease_s) + UNSETTLED_RETAIN_S)
             await pipe.execute()
         return sum(len(ids) for ids in by_key.values())
+
+
+def _rpm_key(kind: str, ident: int, minute: int) -> str:
+    """The counter of a scope's requests in a minute (minutes since the epoch)."""
+    return f"q:{kind}:{ident}:rpm:{minute}"
+
+
+def _refused(kind: str, quota: QuotaInfo, limit: str, retry_after: int) -> Decision:
+    retry_after = max(1, retry_after)
+    headers = {"retry-after": str(retry_after), "x-ratelimit-reset-requests": f"{retry_after}s"}
+    if quota.requests_per_minute is not None:
+        headers["x-ratelimit-limit-requests"] = str(quota.requests_per_minute)
+    if quota.token_budget is not None:
+        headers["x-ratelimit-limit-tokens"] = str(quota.token_budget)
+    return Decision(False, scope=kind, limit=limit, retry_after=retry_after, headers=headers)
 
 
 @functools.lru_cache(maxsize=64)

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import hmac
 import logging
 import os
 import time
+from concurrent.futures.process import BrokenProcessPool
 from datetime import UTC, datetime
 
 import orjson
@@ -33,6 +35,7 @@ from .engine_errors import refusal, route_missing_body
 from .finisher import Finisher
 from .flow import FlowControl
 from .generation import generate
+from .intake import ClientStalled, Intake
 from .load import EndpointLoad, trade_loads
 from .load_scraper import LOAD_KEY
 from .pipeline import Pipeline
@@ -49,7 +52,7 @@ from .requests import (
 )
 from .state import DeploymentInfo, KeyInfo, Snapshot, load_snapshot
 from .upstream import UpstreamError, UpstreamPool
-from .wire import JSON_HEADERS, Receive, Send, header, respond
+from .wire import JSON_HEADERS, Receive, Send, encode_headers, header, respond
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +97,16 @@ class Router:
         self.tokenize_queue = settings.ROUTER_TOKENIZE_QUEUE
         self.tokenize_wait = settings.ROUTER_TOKENIZE_WAIT_SECONDS
         self.tokenizing = 0
+        self.counting = 0  # count_tokens calls waiting for their count (bounded by the same queue size)
+        self.count_tokens_max_bytes = settings.ROUTER_COUNT_TOKENS_MAX_BYTES
+        self.count_tokens_wait = settings.ROUTER_COUNT_TOKENS_WAIT_SECONDS
+        self.intake = Intake(
+            settings.ROUTER_INTAKE_PER_KEY,
+            settings.ROUTER_BODY_TIMEOUT_SECONDS,
+            settings.ROUTER_BODY_MIN_BYTES_PER_SECOND,
+            settings.ROUTER_SEND_TIMEOUT_SECONDS,
+        )
+        self.metrics_token = settings.ROUTER_METRICS_TOKEN.encode()
         self.connect_timeout = settings.ROUTER_CONNECT_TIMEOUT
         self.pepper = settings.API_KEY_PEPPER.encode()
         self.replica_id = os.urandom(6).hex()  # names this replica's field in the shared load hashes
@@ -128,6 +141,8 @@ class Router:
             self._refresher.cancel()
         if self.upstream:
             self.upstream.close()
+        if self.prefix and self.prefix.pool:
+            self.prefix.pool.close()
         if self.finisher:
             await self.finisher.stop()  # replays the usage journal while Redis is still open
         if self.redis:
@@ -218,7 +233,7 @@ class Router:
         if dialect is not None:
             if method != "POST":
                 return await respond(send, 405, dialect.error_body(405, "Use POST."), JSON_HEADERS)
-            return await generate(self, scope, receive, send, dialect)
+            return await self._take_in(scope, receive, send, dialect)
         if path == "/v1/models" and method == "GET":
             return await self.models(scope, send)
         if path.startswith("/v1/models/") and method == "GET":
@@ -226,14 +241,9 @@ class Router:
         if path == "/v1/messages/count_tokens":
             if method != "POST":
                 return await respond(send, 405, ANTHROPIC.error_body(405, "Use POST."), JSON_HEADERS)
-            return await self.count_tokens(scope, receive, send)
+            return await self._take_in(scope, receive, send, ANTHROPIC, counting=True)
         if path == "/metrics":
-            return await respond(
-                send,
-                200,
-                generate_latest(metrics.registry),
-                [(b"content-type", CONTENT_TYPE_LATEST.encode())],
-            )
+            return await self.serve_metrics(scope, send)
         if path in ("/health", "/healthz"):
             body = orjson.dumps({"status": "ok", "config_version": self.snapshot.version})
             return await respond(send, 200, body, JSON_HEADERS)
@@ -250,6 +260,51 @@ class Router:
         # In Anthropic's shape for Anthropic's clients (they send `anthropic-version`), else in OpenAI's.
         anthropic = header(scope, b"anthropic-version") is not None or path.startswith("/v1/messages")
         await respond(send, 404, (ANTHROPIC if anthropic else OPENAI).error_body(404, message), JSON_HEADERS)
+
+    async def _take_in(
+        self, scope: dict, receive: Receive, send: Send, dialect: Dialect, counting: bool = False
+    ) -> None:
+        """A request with a body, under the limits of routing/intake.py: its key's requests still arriving, its
+        body's deadline and rate, and a send timeout for a client that stops reading."""
+        try:
+            key_id = self.authenticate(scope, dialect).id
+        except HttpError:
+            key_id = None  # its handler refuses it before reading any of its body
+        try:
+            guard = self.intake.enter(key_id, hold_until_done=counting)
+        except HttpError as exc:
+            metrics.of(metrics.errors, "", "intake_per_key").inc()
+            return await respond(
+                send,
+                exc.status,
+                dialect.error_body(exc.status, exc.message, code="too_many_arriving"),
+                JSON_HEADERS + encode_headers(exc.headers),
+            )
+        try:
+            if counting:
+                await self.count_tokens(scope, guard.receive(receive), guard.send(send))
+            else:
+                await generate(self, scope, guard.receive(receive), guard.send(send), dialect)
+        except ClientStalled:
+            metrics.of(metrics.errors, "", "client_stalled").inc()
+        finally:
+            guard.release()
+
+    async def serve_metrics(self, scope: dict, send: Send) -> None:
+        """The router's own metrics, for the operator's scraper only: `Authorization: Bearer
+        <ROUTER_METRICS_TOKEN>` (they name models, engines and per-tenant queues)."""
+        given = b""
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                parts = value.split(None, 1)
+                if len(parts) == 2 and parts[0].lower() == b"bearer":
+                    given = parts[1].strip()
+        if not self.metrics_token or not hmac.compare_digest(given, self.metrics_token):
+            message = "The router's metrics are for its operator: send `Authorization: Bearer <ROUTER_METRICS_TOKEN>`."
+            headers = JSON_HEADERS + [(b"www-authenticate", b'Bearer realm="metrics"')]
+            return await respond(send, 401, OPENAI.error_body(401, message), headers)
+        body = generate_latest(metrics.registry)
+        await respond(send, 200, body, [(b"content-type", CONTENT_TYPE_LATEST.encode())])
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -296,10 +351,31 @@ class Router:
     async def count_tokens(self, scope: dict, receive: Receive, send: Send) -> None:
         """Anthropic's /v1/messages/count_tokens, as Claude Code calls it: the prompt's tokens as the engine
         renders them, counted here with the deployment's tokenizer (or by one of its engines when the router has
-        none). Key authentication as for generation; no quota is taken and nothing is billed."""
+        none). Key authentication as for generation; each call counts against the key's and its team's requests
+        per minute (nothing else is taken, nothing billed); its body is bounded by ROUTER_COUNT_TOKENS_MAX_BYTES,
+        and a large one is tokenized in a worker process (routing/tokenize_pool.py)."""
         try:
             key = self.authenticate(scope, ANTHROPIC)
-            body = await read_body(receive, self.max_body)
+            decision = await self._count_request(key)
+            if not decision.admitted:
+                metrics.of(metrics.requests, "", "", "429").inc()
+                return await respond(
+                    send,
+                    429,
+                    ANTHROPIC.error_body(429, decision.message, code=decision.limit),
+                    JSON_HEADERS + encode_headers(decision.headers),
+                )
+            limit = min(self.max_body, self.count_tokens_max_bytes)
+            try:
+                body = await read_body(receive, limit)
+            except HttpError as exc:
+                if exc.status != 413:
+                    raise
+                raise HttpError(
+                    413,
+                    f"A count_tokens request takes at most {limit} bytes of JSON. Count a shorter prompt, or "
+                    "count its parts separately.",
+                ) from None
             payload = parse(body)
             deployment = deployment_for(self.snapshot, payload, key)
             if not isinstance(payload.get("messages"), list) or not payload["messages"]:
@@ -314,21 +390,57 @@ class Router:
                     f"The model `{deployment.served_model_name}` takes text only: remove the `{media}` part.",
                     "messages",
                 )
-            try:
-                ids = await self.prefix.encode(tokenizer, payload, "/v1/messages")
-            except RenderError as exc:
-                raise HttpError(
-                    400, f"The request cannot be rendered for this model: {exc}", exc.param
-                ) from exc
+            ids = await self._count(tokenizer, payload)
         except HttpError as exc:
             return await respond(
-                send, exc.status, ANTHROPIC.error_body(exc.status, exc.message, exc.param), JSON_HEADERS
+                send,
+                exc.status,
+                ANTHROPIC.error_body(exc.status, exc.message, exc.param),
+                JSON_HEADERS + encode_headers(exc.headers),
             )
         except ClientGone:
             return
         count = len(ids)
         body = {"input_tokens": count, "context_management": {"original_input_tokens": count}}
         await respond(send, 200, orjson.dumps(body), JSON_HEADERS)
+
+    async def _count_request(self, key: KeyInfo):
+        """Count a count_tokens call against its key's and team's requests per minute (routing/admission.py)."""
+        snapshot = self.snapshot
+        try:
+            return await self.admission.count_request(
+                team_id=key.team_id,
+                key_id=key.id,
+                team_quota=snapshot.team_quotas.get(key.team_id),
+                key_quota=snapshot.key_quotas.get(key.id),
+            )
+        except RedisError:
+            log.exception("could not count a count_tokens request against its quota")
+            raise HttpError(
+                503, "Quota checks are unavailable right now. Retry shortly.", headers={"retry-after": "1"}
+            ) from None
+
+    async def _count(self, tokenizer, payload: dict):
+        """The request's prompt ids, waiting at most ROUTER_COUNT_TOKENS_WAIT_SECONDS, among at most
+        ROUTER_TOKENIZE_QUEUE calls waiting at once."""
+        busy = HttpError(
+            503, "The gateway is busy counting tokens. Retry shortly.", headers={"retry-after": "1"}
+        )
+        if self.counting >= self.tokenize_queue:
+            raise busy
+        self.counting += 1
+        try:
+            async with asyncio.timeout(self.count_tokens_wait):
+                ids = await self.prefix.encode(tokenizer, payload, "/v1/messages")
+        except RenderError as exc:
+            raise HttpError(400, f"The request cannot be rendered for this model: {exc}", exc.param) from exc
+        except (TimeoutError, BrokenProcessPool):
+            raise busy from None
+        finally:
+            self.counting -= 1
+        if ids is None:
+            raise HttpError(400, "`messages` must be a non-empty list.", "messages")
+        return ids
 
     async def _count_upstream(self, deployment: DeploymentInfo, body: bytes, send: Send) -> None:
         endpoints = [e for e in deployment.endpoints if e.role != "prefill"] or list(deployment.endpoints)

@@ -11,6 +11,7 @@ from array import array
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import orjson
 from django.conf import settings
 from redis.exceptions import RedisError
 
@@ -23,6 +24,7 @@ from .prefix_health import PrefixHealth
 from .prefix_index import Held, PrefixIndex
 from .state import DeploymentInfo
 from .tokenize import RouterTokenizer
+from .tokenize_pool import TokenizePool, prompt_tokens
 
 log = logging.getLogger(__name__)
 decisions = logging.getLogger("routing.decisions")
@@ -45,8 +47,12 @@ class PrefixRouting:
         self._render_logged: dict[tuple[str, str], float] = {}
         self.health = PrefixHealth()
         self.prompt_keys = PromptKeyCache()
-        # Tokenising runs off the event loop, one piece of work at a time (the piece cache is not shared).
+        # Tokenising runs off the event loop: a small request on this thread, one at a time (the piece cache is
+        # not shared); a large one in a worker process (routing/tokenize_pool.py), which holds no lock of ours.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        processes = settings.ROUTER_TOKENIZE_PROCESSES
+        self.pool = TokenizePool(processes) if processes > 0 else None
+        self.pool_min_bytes = settings.ROUTER_TOKENIZE_POOL_MIN_BYTES
         self.sample_rate = settings.ROUTER_DECISION_LOG_SAMPLE
 
     def tokenizer_for(self, deployment: DeploymentInfo) -> RouterTokenizer | None:
@@ -58,6 +64,8 @@ class PrefixRouting:
                 if not path.is_absolute():
                     path = settings.BASE_DIR / path
                 self._tokenizers[key] = RouterTokenizer(path, chat_template=deployment.chat_template or None)
+                if self.pool is not None:
+                    self.pool.preload(str(path), deployment.chat_template or "")
             except Exception as exc:  # a hub id or a broken folder: route without prefix scores
                 log.warning(
                     "no tokenizer for %s at %s (%s); prefix scores are off for it",
@@ -68,21 +76,31 @@ class PrefixRouting:
                 self._tokenizers[key] = None
         return self._tokenizers[key]
 
-    async def encode(self, tokenizer: RouterTokenizer, payload: dict, path: str) -> array:
-        """A chat or messages request's prompt token ids, worked out on the tokenizing thread."""
+    async def encode(self, tokenizer: RouterTokenizer, payload: dict, path: str) -> array | None:
+        """A request's prompt token ids (tokenize_pool.prompt_tokens): in a worker process when its JSON is at
+        least ROUTER_TOKENIZE_POOL_MIN_BYTES long, else on the tokenizing thread."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, tokenizer.encode_request, payload, path)
+        if self.pool is not None:
+            try:
+                body = orjson.dumps(payload)
+            except orjson.JSONEncodeError:
+                body = b""  # nested too deeply to send: the thread's tokenizer refuses it as the engine would
+            if len(body) >= self.pool_min_bytes:
+                return await self.pool.encode(
+                    str(tokenizer.folder), tokenizer.chat_template_override, body, payload, path
+                )
+        return await loop.run_in_executor(self._executor, prompt_tokens, tokenizer, payload, path)
 
-    def _tokens(self, deployment: DeploymentInfo, payload: dict, path: str) -> array | None:
-        tokenizer = self.tokenizer_for(deployment)
+    async def _tokens(self, deployment: DeploymentInfo, payload: dict, path: str) -> array | None:
+        key = (deployment.tokenizer_path, deployment.chat_template)
+        if key in self._tokenizers:
+            tokenizer = self._tokenizers[key]
+        else:  # loaded once per deployment, on the thread: reading a tokenizer takes a while
+            loop = asyncio.get_running_loop()
+            tokenizer = await loop.run_in_executor(self._executor, self.tokenizer_for, deployment)
         if tokenizer is None:
             return None
-        prompt = payload.get("prompt")
-        if isinstance(prompt, str):
-            return tokenizer.encode_prompt(prompt)
-        if not isinstance(payload.get("input" if path == "/v1/responses" else "messages"), list | str):
-            return None
-        return tokenizer.encode_request(payload, path)
+        return await self.encode(tokenizer, payload, path)
 
     async def context(
         self,
@@ -102,8 +120,7 @@ class PrefixRouting:
         tokens = prompt_ids
         if tokens is None:
             try:
-                loop = asyncio.get_running_loop()
-                tokens = await loop.run_in_executor(self._executor, self._tokens, deployment, payload, path)
+                tokens = await self._tokens(deployment, payload, path)
             except RenderError as exc:  # routed blind: counted, and the engine will say what is wrong
                 self.render_failed(deployment, exc.reason, str(exc))
                 return ctx

@@ -9,7 +9,9 @@ In order of precedence:
    OpenAI's chat completions take it too; last, since an app may set one key for all its requests).
 
 The id is hashed with the tenant's id, so two tenants naming the same session never share a mapping, and every key
-the router keeps has the same bounded length whatever the client sent.
+the router keeps has the same bounded length whatever the client sent. An id longer than MAX_SESSION_CHARS is not
+one any agent sends: it names no session (and costs no hashing). The map itself holds a bounded number of sessions,
+least recently used dropped first (routing/affinity.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import orjson
 from .wire import header
 
 MAX_USER_ID = 4096  # characters of `metadata.user_id` worth parsing for a session id
+MAX_SESSION_CHARS = 512  # agents send UUIDs and window ids; anything longer is no session id
 
 SESSION_HEADERS = (b"x-session-id", b"x-claude-code-session-id")
 
@@ -28,7 +31,7 @@ SESSION_HEADERS = (b"x-session-id", b"x-claude-code-session-id")
 def session_key(scope: dict, payload: dict, tenant_id: int) -> str | None:
     """The request's session, hashed and scoped to the tenant, or None when it names none."""
     named = _named_session(scope, payload)
-    if not named:
+    if not named or len(named) > MAX_SESSION_CHARS:
         return None
     return hashlib.blake2b(f"{tenant_id}\0{named}".encode(), digest_size=16).hexdigest()
 

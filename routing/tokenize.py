@@ -132,6 +132,8 @@ class RouterTokenizer:
     ):
         """`chat_template`: the deployment's override of the model's own template (as the engine is given it)."""
         folder = Path(model_dir)
+        # Where it was loaded from and the deployment's template: what a worker process loads it again from.
+        self.folder, self.chat_template_override = folder, chat_template or ""
         self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
         config = json.loads((folder / "tokenizer_config.json").read_text())
         self.cache = cache or SegmentCache()

@@ -36,6 +36,7 @@ from tenants.models import UsageRecord
 from tenants.usage_stream import usage_ingest_until_empty
 
 from ..routing.conftest import Fleet
+from ..routing.router_metrics import router_metrics
 from ..routing.test_precise_routing import ingester_process, precise_fleet  # noqa: F401 (a fixture)
 from ..serving.engines import MODEL_DIR, MODEL_NAME, RunningEngine, start_engine
 
@@ -159,7 +160,7 @@ def codex_tool_calls(run: AgentRun) -> list[dict]:
 # --- what the router, the engine and the ledger saw ------------------------------------------------------------
 def router_counts(fleet: Fleet) -> dict[str, float]:
     counts = {"2xx": 0.0, "render_failures": 0.0, "predicted": 0.0, "reported": 0.0}
-    for line in httpx.get(f"{fleet.router.url}/metrics", timeout=10).text.splitlines():
+    for line in router_metrics(fleet.router.url).splitlines():
         value = line.rpartition(" ")[2]
         if line.startswith("router_requests_total{"):
             status = line.partition('status="')[2][:3]

@@ -15,6 +15,7 @@ from routing.models import RoutingPolicy
 
 from ..serving.engines import MODEL_NAME
 from .render_corpus import ANTHROPIC_CASES
+from .router_metrics import router_metrics
 from .test_sdk_clients import anthropic_client, openai_client
 
 CLAUDE_CODE_TURN = next(c for c in ANTHROPIC_CASES if c.name.startswith("tool_use and tool_result")).payload
@@ -22,7 +23,7 @@ CLAUDE_CODE_TURN = next(c for c in ANTHROPIC_CASES if c.name.startswith("tool_us
 
 def router_metric(fleet, name: str, **labels: str) -> float:
     total = 0.0
-    for line in httpx.get(f"{fleet.router.url}/metrics", timeout=10).text.splitlines():
+    for line in router_metrics(fleet.router.url).splitlines():
         if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
             total += float(line.rsplit(" ", 1)[1])
     return total

@@ -19,6 +19,7 @@ from tenants.models import Scope, Team, Tenant
 
 from ..serving.engines import MODEL_NAME, RunningEngine
 from .conftest import Fleet, make_fleet
+from .router_metrics import router_metrics
 from .test_precise_routing import ingester_process, precise_fleet  # noqa: F401 (a fixture)
 from .test_sdk_clients import anthropic_client
 from .usage import usage_events
@@ -100,7 +101,7 @@ COUNTERS = {
 def router_counters(fleet: Fleet) -> dict[str, float]:
     """The router's prompt, predicted and engine-reported cached prompt tokens so far, over every endpoint."""
     totals = dict.fromkeys(COUNTERS, 0.0)
-    for line in httpx.get(f"{fleet.router.url}/metrics", timeout=10).text.splitlines():
+    for line in router_metrics(fleet.router.url).splitlines():
         for name, prefix in COUNTERS.items():
             if line.startswith(prefix):
                 totals[name] += float(line.rpartition(" ")[2])

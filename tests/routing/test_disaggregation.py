@@ -18,6 +18,7 @@ from tenants.models import Scope, Team, Tenant
 
 from ..serving.engines import MODEL_DIR, MODEL_NAME, start_engine, start_engines
 from .conftest import Fleet
+from .router_metrics import router_metrics
 from .usage import usage_events
 
 LONG = "Here is the whole repository listing and the failing test output. " * 40  # ~600 tokens
@@ -121,9 +122,8 @@ def test_a_long_prompt_is_prefilled_on_the_prefill_pool_and_decoded_after_a_pull
     (event,) = usage_events([request_id], wait_for=1)
     assert event.output_tokens == 5 and event.prompt_tokens > 256
     assert event.endpoint == decode.url
-    assert (
-        'router_plans_total{kind="disaggregated",model="tiny-qwen"} 1.0'
-        in httpx.get(f"{fleet.router.url}/metrics").text
+    assert 'router_plans_total{kind="disaggregated",model="tiny-qwen"} 1.0' in router_metrics(
+        fleet.router.url
     )
 
 
@@ -291,7 +291,7 @@ def peer_pull_scenario(router_process, engines, hog_tokens: int) -> None:
     assert event.endpoint == other.url  # decoded on the idle engine...
     assert transfers(other) == 1  # ...which pulled the prefix from the holder instead of recomputing it
     assert event.cached_prompt_tokens >= 256  # the holder's prefill leg was a cache hit
-    assert 'kind="peer_pull"' in httpx.get(f"{fleet.router.url}/metrics").text
+    assert 'kind="peer_pull"' in router_metrics(fleet.router.url)
     assert holder.metrics()["vllm:prefix_cache_hits_total"] >= 256
 
 

@@ -22,6 +22,7 @@ from tenants.usage_stream import stream_key
 
 from ..serving.engines import MODEL_DIR, MODEL_NAME, start_engine
 from .conftest import RouterProcess, start_router, wait_for_version
+from .router_metrics import router_metrics
 from .usage import usage_events
 
 SLOTS = 2  # the engine's max_num_seqs
@@ -118,7 +119,7 @@ def saturate(world: World, key: str, tokens: int = 60, second: int | None = None
 
 
 def router_metric(router: RouterProcess, name: str) -> float:
-    text = httpx.get(f"{router.url}/metrics", timeout=5).text
+    text = router_metrics(router.url, timeout=5)
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()

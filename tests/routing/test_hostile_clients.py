@@ -28,6 +28,7 @@ from tenants.keys import api_key_revoke
 
 from ..serving.engines import MODEL_NAME, start_engine
 from .conftest import make_fleet, set_quota, start_router
+from .router_metrics import router_metrics
 from .usage import usage_events
 
 CONTEXT = "You are a coding agent working in a large repository; read the files before you change them. " * 12
@@ -389,7 +390,7 @@ def test_an_engine_silent_past_the_first_token_limit_is_given_up_for_another(fle
         )
         assert chunks[-1].choices[0].finish_reason == "length"
     assert time.monotonic() - started < 12
-    assert "first_token_timeout" in httpx.get(f"{fleet.router.url}/metrics").text
+    assert "first_token_timeout" in router_metrics(fleet.router.url)
 
 
 def test_a_stream_that_stalls_ends_with_an_error_after_the_stall_limit(fleet):
@@ -412,7 +413,7 @@ def test_a_stream_that_stalls_ends_with_an_error_after_the_stall_limit(fleet):
     assert '"content":"a"' in text and "nothing for 1 s" in text
     (event,) = usage_events([request_id], wait_for=1)
     assert event.status == "failed" and event.output_tokens == 1
-    assert 'kind="stall_timeout"' in httpx.get(f"{fleet.router.url}/metrics").text
+    assert 'kind="stall_timeout"' in router_metrics(fleet.router.url)
 
 
 def test_a_replica_bounds_its_concurrent_requests(transactional_db):
@@ -451,7 +452,7 @@ def test_a_full_tokenizing_queue_routes_on_load_alone(transactional_db, sim_pair
             ).status_code
             == 200
         )
-        metrics = httpx.get(f"{router.url}/metrics").text
+        metrics = router_metrics(router.url)
         assert (
             f'router_prefix_render_failures_total{{model="{MODEL_NAME}",reason="queue_full"}} 1.0' in metrics
         )

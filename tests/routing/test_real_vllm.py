@@ -9,6 +9,7 @@ import pytest
 
 from ..serving.engines import MODEL_NAME
 from .conftest import make_fleet
+from .router_metrics import router_metrics
 from .usage import usage_events
 
 
@@ -59,7 +60,7 @@ def test_it_exposes_its_own_metrics_without_key_labels(vllm_fleet):
         base_url=f"{vllm_fleet.router.url}/v1", api_key=vllm_fleet.key.secret, max_retries=0
     )
     client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=1)
-    text = httpx.get(f"{vllm_fleet.router.url}/metrics").text
+    text = router_metrics(vllm_fleet.router.url)
     for name in (
         "router_requests_total",
         "router_time_to_first_token_seconds_bucket",

@@ -33,6 +33,7 @@ from tenants.tasks import ingest_usage
 from tenants.usage_stream import FIELD, UsageEvent, stream_key
 
 from ..serving.engines import MODEL_DIR, MODEL_NAME
+from .router_metrics import metrics_headers
 
 
 class OwnRedis:
@@ -443,7 +444,9 @@ def test_the_router_answers_503_while_usage_can_be_recorded_nowhere(transactiona
             refused = await chat(client, free_key, 2)
             assert refused.status_code == 503 and refused.headers["retry-after"] == "5"
             assert "Usage cannot be recorded right now" in refused.json()["error"]["message"]
-            assert 'kind="usage_unrecordable"' in (await client.get("/metrics")).text
+            assert (
+                'kind="usage_unrecordable"' in (await client.get("/metrics", headers=metrics_headers())).text
+            )
             journal.max_bytes = 1 << 20  # room again: the next probe clears the failure
             assert await wait_until(lambda: router.finisher.accepting, 15)
             assert (await chat(client, free_key, 2)).status_code == 200

@@ -406,7 +406,9 @@ def test_the_reserved_prompt_bound_covers_every_field_that_reaches_the_prompt(to
     )
     text = filler(BIG)
     tokens = len(RouterTokenizer(MODEL_DIR).encode_prompt(text))
-    assert prompt > tokens >= BIG  # on main before: only `input`, `messages`, `system` and `tools` were counted
+    assert (
+        prompt > tokens >= BIG
+    )  # on main before: only `input`, `messages`, `system` and `tools` were counted
 
 
 def test_an_anthropic_request_without_max_tokens_is_a_400_and_an_openai_one_reserves_the_context(tokenizers):

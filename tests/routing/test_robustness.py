@@ -19,6 +19,7 @@ from tenants.keys import api_key_revoke
 
 from ..serving.engines import MODEL_NAME, start_engine
 from .conftest import make_fleet, start_router
+from .router_metrics import router_metrics
 from .usage import usage_events
 
 
@@ -198,7 +199,7 @@ def test_a_revocation_reaches_every_replica_within_five_seconds(fleet):
 def gc_counts(router) -> tuple[float, float]:
     """The router's gen-0 garbage collections and the objects they freed, from its /metrics."""
     collections = collected = 0.0
-    for line in httpx.get(f"{router.url}/metrics").text.splitlines():
+    for line in router_metrics(router.url).splitlines():
         if line.startswith('python_gc_collections_total{generation="0"}'):
             collections = float(line.rsplit(" ", 1)[1])
         elif line.startswith('python_gc_objects_collected_total{generation="0"}'):
