@@ -366,7 +366,7 @@ def one_run(
 def start_router(procs: h.Processes, env: dict, tag: str):
     port = h.free_port()
     argv = [PYTHON, "-m", "uvicorn", "inference_platform.asgi:application", "--host", "127.0.0.1"]
-    argv += ["--port", str(port), "--loop", "uvloop", "--http", "httptools", "--no-access-log"]
+    argv += ["--port", str(port), "--loop", "uvloop", "--http", h.ROUTER_HTTP, "--no-access-log"]
     argv += ["--workers", "1", "--log-level", "warning"]
     extra = {"ROUTER_CONFIG_POLL_SECONDS": "0.5"}
     proc = procs.start(f"autoscale-router-{tag}", argv, core=None, env={**env, **extra})

@@ -492,7 +492,7 @@ def set_policy(deployment_id: int, **fields) -> None:
 def start_router(procs: h.Processes, env: dict, tag: str):
     port = h.free_port()
     argv = [PYTHON, "-m", "uvicorn", "inference_platform.asgi:application", "--host", "127.0.0.1"]
-    argv += ["--port", str(port), "--loop", "uvloop", "--http", "httptools", "--no-access-log"]
+    argv += ["--port", str(port), "--loop", "uvloop", "--http", h.ROUTER_HTTP, "--no-access-log"]
     argv += ["--workers", "1", "--log-level", "warning"]
     extra = {"ROUTER_CONFIG_POLL_SECONDS": "0.5", "ROUTER_DECISION_LOG_SAMPLE": "0"}
     proc = procs.start(f"fair-share-router-{tag}", argv, core=None, env={**env, **extra})

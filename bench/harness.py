@@ -32,6 +32,8 @@ from inference_platform.ports import free_port as free_port  # re-exported: the 
 
 ROOT = Path(__file__).resolve().parents[1]
 STATE = ROOT / ".local" / "bench"
+# The router's HTTP protocol, as deploy/base/router.yaml serves it (uvicorn's httptools with header limits).
+ROUTER_HTTP = "routing.http_server:LimitedHttpToolsProtocol"
 PYTHON = sys.executable
 MODEL = "tiny-qwen"  # models/tiny-qwen: the simulated engines' model
 # The peers the gateway benchmarks compare against, installed on first use into .local/bench/<name>.
@@ -329,14 +331,31 @@ def flush_redis(url: str) -> None:
         client.close()
 
 
+def bench_secrets() -> dict[str, str]:
+    """The throwaway secrets of the benchmarks' platform, made once under .local/bench."""
+    secret_file = STATE / "secrets.json"
+    values = json.loads(secret_file.read_text()) if secret_file.exists() else {}
+    made = {
+        "SECRET_KEY": lambda: secrets.token_urlsafe(50),
+        "API_KEY_PEPPER": lambda: secrets.token_urlsafe(32),
+        "ROUTER_METRICS_TOKEN": lambda: secrets.token_urlsafe(32),
+    }
+    missing = {name: make() for name, make in made.items() if name not in values}
+    if missing:
+        values |= missing
+        secret_file.parent.mkdir(parents=True, exist_ok=True)
+        secret_file.write_text(json.dumps(values))
+    return values
+
+
+def metrics_headers() -> dict[str, str]:
+    """What the router's /metrics asks of its scraper (ROUTER_METRICS_TOKEN)."""
+    return {"authorization": f"Bearer {bench_secrets()['ROUTER_METRICS_TOKEN']}"}
+
+
 def platform_env(database_url: str, redis_url: str) -> dict[str, str]:
     """A production-like environment (DEBUG off) with throwaway secrets kept under .local/bench."""
-    secret_file = STATE / "secrets.json"
-    if secret_file.exists():
-        values = json.loads(secret_file.read_text())
-    else:
-        values = {"SECRET_KEY": secrets.token_urlsafe(50), "API_KEY_PEPPER": secrets.token_urlsafe(32)}
-        secret_file.write_text(json.dumps(values))
+    values = bench_secrets()
     return {
         "DATABASE_URL": database_url,
         "REDIS_URL": redis_url,

@@ -214,7 +214,7 @@ def start_router(
 ):
     port = h.free_port()
     argv = [PYTHON, "-m", "uvicorn", "inference_platform.asgi:application", "--host", "127.0.0.1"]
-    argv += ["--port", str(port), "--loop", "uvloop", "--http", "httptools", "--no-access-log"]
+    argv += ["--port", str(port), "--loop", "uvloop", "--http", h.ROUTER_HTTP, "--no-access-log"]
     argv += ["--workers", "1", "--log-level", "warning"]
     extra = {
         "ROUTER_CONFIG_POLL_SECONDS": "0.5",
@@ -245,7 +245,7 @@ def start_vllm_router(procs: h.Processes, venv: Path, engines: list[Engine], tag
 def router_metrics(port: int) -> str:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
     try:
-        conn.request("GET", "/metrics")
+        conn.request("GET", "/metrics", headers=h.metrics_headers())
         return conn.getresponse().read().decode()
     except OSError:
         return ""

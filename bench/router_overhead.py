@@ -47,6 +47,7 @@ from bench.harness import (
     PEERS,
     PYTHON,
     ROOT,
+    ROUTER_HTTP,
     STATE,
     Installer,
     Processes,
@@ -235,7 +236,9 @@ def start_router(
     """Our router, from this checkout or from `source` (a worktree of another commit, for --baseline)."""
     port = free_port()
     argv = [PYTHON, "-m", "uvicorn", "inference_platform.asgi:application", "--host", "127.0.0.1"]
-    argv += ["--port", str(port), "--loop", "uvloop", "--http", "httptools", "--no-access-log"]
+    # A baseline from before the router's own protocol (routing/http_server.py) runs on plain httptools.
+    http = ROUTER_HTTP if (source / "routing" / "http_server.py").exists() else "httptools"
+    argv += ["--port", str(port), "--loop", "uvloop", "--http", http, "--no-access-log"]
     argv += ["--workers", "1", "--log-level", "warning"]
     env = {**env, "PYTHONPATH": str(source)}
     proc = procs.start(name, argv, core=GATEWAY_CORE, env=env, cwd=source)

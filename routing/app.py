@@ -49,6 +49,7 @@ from .requests import (
     deployment_for,
     parse,
     read_body,
+    refuse_remote_media,
 )
 from .state import DeploymentInfo, KeyInfo, Snapshot, load_snapshot
 from .upstream import UpstreamError, UpstreamPool
@@ -380,6 +381,7 @@ class Router:
             deployment = deployment_for(self.snapshot, payload, key)
             if not isinstance(payload.get("messages"), list) or not payload["messages"]:
                 raise HttpError(400, "`messages` must be a non-empty list.", "messages")
+            refuse_remote_media(payload, "/v1/messages", body)  # an engine may count it
             tokenizer = self.prefix.tokenizer_for(deployment)
             if tokenizer is None:
                 return await self._count_upstream(deployment, orjson.dumps(payload), send)

@@ -167,6 +167,15 @@ def engine_fields(payload: dict, path: str, key: KeyInfo, body: bytes | None = N
     if dropped:
         metrics.dropped_fields.inc(len(dropped))
         log.debug("dropped fields %s from a request to %s", dropped, path)
+    refuse_remote_media(payload, path, body)
+    if key.cache_salt:
+        payload["cache_salt"] = key.cache_salt
+    return payload
+
+
+def refuse_remote_media(payload: dict, path: str, body: bytes | None = None) -> None:
+    """A 400 for a media part that names a URL (routing/fields.py `remote_media`), on every route that reaches an
+    engine: engines fetch nothing on a client's behalf."""
     remote = remote_media(payload, path, body)
     if remote is not None:
         raise HttpError(
@@ -175,9 +184,6 @@ def engine_fields(payload: dict, path: str, key: KeyInfo, body: bytes | None = N
             "inline: a base64 `data:` URL, or an Anthropic `base64` source.",
             remote.split("[", 1)[0],
         )
-    if key.cache_salt:
-        payload["cache_salt"] = key.cache_salt
-    return payload
 
 
 def validate(

@@ -12,6 +12,7 @@ import pytest
 
 from routing.fields import remote_media
 from routing.requests import HttpError, engine_fields, parse
+from serving.models import ModelDeployment
 
 from ..serving.engines import MODEL_NAME
 from .conftest import make_fleet
@@ -169,3 +170,22 @@ def test_no_engine_is_asked_for_media_by_url_on_any_route(router_process):
         assert answer.status_code == 400, (name, answer.text)
         assert place in answer.text and "169.254" not in answer.text
     assert engine.hits == []
+
+
+def test_count_tokens_forwards_no_media_by_url_to_an_engine(router_process):
+    """A deployment the router has no tokenizer for has its count_tokens answered by an engine: on main before,
+    the raw body went there, URLs and all."""
+    engine = HostileEngine({})
+    fleet = make_fleet(router_process, [engine])
+    ModelDeployment.objects.filter(pk=fleet.deployment.pk).update(model_source="example-org/no-local-copy")
+    fleet.sync()
+    headers = {"authorization": f"Bearer {fleet.key.secret}", "anthropic-version": "2023-06-01"}
+    _, fields, place = FETCHING["anthropic tool_result image by url"]
+    answer = httpx.post(
+        f"{fleet.router.url}/v1/messages/count_tokens", content=body_of(fields), headers=headers, timeout=30
+    )
+    assert answer.status_code == 400 and place in answer.json()["error"]["message"]
+    assert engine.hits == []
+    plain = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}]}
+    httpx.post(f"{fleet.router.url}/v1/messages/count_tokens", json=plain, headers=headers, timeout=30)
+    assert engine.hits == ["/v1/messages/count_tokens"]  # what has no URL is counted by the engine
