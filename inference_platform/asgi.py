@@ -1,6 +1,6 @@
 """The router's ASGI application: the /v1 data plane agents call, with their API keys.
 
-Run it with an ASGI server, e.g. `uvicorn inference_platform.asgi:application --loop uvloop --http httptools`.
+Run it with an ASGI server, e.g. `uvicorn inference_platform.asgi:application --loop uvloop --http routing.http_server:LimitedHttpToolsProtocol`.
 HTTP and lifespan only: the admin, the portal (its live-traffic WebSocket included) and the REST API are the web
 side's (inference_platform/web_asgi.py), so operators' session cookies never reach the router's port.
 """
