@@ -323,7 +323,12 @@ def engine_args(deployment: ModelDeployment, pool: Pool) -> tuple[list[str], dic
     if settings.LOCAL_ENGINE_LOAD_FORMAT and "--load-format" in argv:
         _replace_flag(argv, "--load-format", None)  # a local-only setting: a cluster loads real weights
     if "--logits-processors" in argv:
-        _replace_flag(argv, "--logits-processors", None)  # which end by themselves, with no help
+        # Real weights end their answers and call tools by themselves: the dummy model's processors go, all of them.
+        index = argv.index("--logits-processors")
+        end = index + 1
+        while end < len(argv) and not argv[end].startswith("--"):
+            end += 1
+        del argv[index:end]
     if pool.enable_kv_events:
         index = argv.index("--kv-events-config") + 1
         events = json.loads(argv[index])

@@ -189,3 +189,21 @@ def test_count_tokens_forwards_no_media_by_url_to_an_engine(router_process):
     plain = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}]}
     httpx.post(f"{fleet.router.url}/v1/messages/count_tokens", json=plain, headers=headers, timeout=30)
     assert engine.hits == ["/v1/messages/count_tokens"]  # what has no URL is counted by the engine
+
+
+def test_vllm_is_asked_for_no_media_by_url(router_process, vllm_engine):
+    """The same forms in front of vLLM-CPU, which would fetch them (a text-only model refuses the part only after
+    reading it): none reaches the engine."""
+    fleet = make_fleet(router_process, [vllm_engine])
+    ModelDeployment.objects.filter(pk=fleet.deployment.pk).update(engine_kind="vllm")
+    fleet.sync()
+    before = vllm_engine.metrics().get("vllm:request_success_total", 0.0)
+    headers = {"authorization": f"Bearer {fleet.key.secret}"}
+    for name, (path, fields, place) in FETCHING.items():
+        answer = httpx.post(f"{fleet.router.url}{path}", content=body_of(fields), headers=headers, timeout=60)
+        assert answer.status_code == 400 and place in answer.text, (name, answer.text)
+    plain = {"model": MODEL_NAME, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    assert httpx.post(
+        f"{fleet.router.url}/v1/chat/completions", json=plain, headers=headers, timeout=60
+    ).is_success
+    assert vllm_engine.metrics().get("vllm:request_success_total", 0.0) == before + 1  # only the plain one
