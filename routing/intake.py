@@ -62,7 +62,12 @@ class Intake:
 
 
 class Guarded:
-    """A request's ASGI receive and send under the intake's limits (wrap the server's with `receive`/`send`)."""
+    """A request's ASGI receive and send under the intake's limits (wrap the server's with `receive`/`send`).
+
+    Cheap on the hot path: no timeout context per message. One timer per request watches the body's deadline (moved
+    later as bytes come) and then the send in progress, re-armed only when it fires early; what it finds late it
+    cancels (the receive: a 408; the send: the request's watcher hears a disconnect, or the send raises
+    ClientStalled)."""
 
     def __init__(self, intake: Intake, key_id: int | None, hold_until_done: bool):
         self.intake = intake
@@ -73,7 +78,14 @@ class Guarded:
         self.body_done = False
         self.stalled = False
         self._counted = key_id is not None
-        self._hang_up: asyncio.Future | None = None
+        self._body_late = False
+        self._receiving: asyncio.Task | None = None  # the task awaiting the body's next piece
+        self._listening: asyncio.Task | None = None  # the task awaiting the client's hang-up, after the body
+        self._sending: asyncio.Task | None = None  # the task whose send is under way
+        self._send_began = 0.0
+        self._send_cancelled = False  # the intake cancelled the stalled send itself
+        self._timer: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def release(self) -> None:
         """The request is past intake (or over): its key's count drops. Safe to call more than once."""
@@ -81,32 +93,49 @@ class Guarded:
             self._counted = False
             self.intake._leave(self.key_id)
 
+    # --- the body ----------------------------------------------------------------------------------------
     def receive(self, receive: Receive) -> Receive:
         async def guarded() -> dict:
             if self.body_done:
                 return await self._after_body(receive)
+            if self._body_late:
+                self._refuse_body()
+            if self._timer is None:
+                self._arm(self._body_deadline())
+            self._receiving = asyncio.current_task()
             try:
-                async with asyncio.timeout(self._body_deadline() - time.monotonic()):
-                    message = await receive()
-            except TimeoutError:
-                self.release()
-                raise HttpError(
-                    408,
-                    f"The request body came too slowly: it must arrive within {self.intake.body_timeout:g} s, at "
-                    f"{self.intake.body_min_rate} bytes a second or more after its first {BODY_GRACE_S:g} s.",
-                    headers={"connection": "close"},
-                ) from None
+                message = await receive()
+            except asyncio.CancelledError:
+                if not self._body_late:
+                    raise
+                self._receiving.uncancel()
+                self._refuse_body()
+            finally:
+                self._receiving = None
             if message["type"] == "http.request":
                 self.received += len(message.get("body", b""))
                 if not message.get("more_body"):
                     self.body_done = True
+                    self._disarm()
                     if not self.hold_until_done:
                         self.release()
             else:
+                self._disarm()
                 self.release()
             return message
 
         return guarded
+
+    def _refuse_body(self):
+        self._disarm()
+        self.release()
+        intake = self.intake
+        raise HttpError(
+            408,
+            f"The request body came too slowly: it must arrive within {intake.body_timeout:g} s, at "
+            f"{intake.body_min_rate} bytes a second or more after its first {BODY_GRACE_S:g} s.",
+            headers={"connection": "close"},
+        )
 
     def _body_deadline(self) -> float:
         intake = self.intake
@@ -117,38 +146,90 @@ class Guarded:
         """The server's next message (the client hanging up), or a hang-up of our own after a stalled send."""
         if self.stalled:
             return {"type": "http.disconnect"}
-        if self._hang_up is None:
-            self._hang_up = asyncio.get_running_loop().create_future()
-        waiting = asyncio.ensure_future(receive())
+        self._listening = asyncio.current_task()
         try:
-            await asyncio.wait((waiting, self._hang_up), return_when=asyncio.FIRST_COMPLETED)
+            return await receive()
+        except asyncio.CancelledError:
+            if not self.stalled:
+                raise
+            self._listening.uncancel()
+            return {"type": "http.disconnect"}
         finally:
-            if not waiting.done():
-                waiting.cancel()
-        if waiting.done() and not waiting.cancelled():
-            return waiting.result()
-        return {"type": "http.disconnect"}
+            self._listening = None
 
+    # --- the answer --------------------------------------------------------------------------------------
     def send(self, send: Send) -> Send:
-        timeout = self.intake.send_timeout
-
         async def guarded(message: dict) -> None:
             if self.stalled:
                 raise ClientStalled()
+            task = self._sending = asyncio.current_task()
+            self._send_began = time.monotonic()
+            if self._timer is None:
+                self._arm(self._send_began + self.intake.send_timeout)
+            elif not self.body_done:  # armed for the body's deadline, maybe later than this send's
+                self._arm_by(self._send_began + self.intake.send_timeout)
             try:
-                async with asyncio.timeout(timeout):
-                    await send(message)
-            except TimeoutError:
-                await self._stalled()
+                await send(message)
+            except asyncio.CancelledError:
+                if not self._send_cancelled:  # cancelled by another (the request's watcher): as it was
+                    raise
+                task.uncancel()
+                raise ClientStalled() from None
+            finally:
+                self._sending = None
 
         return guarded
 
-    async def _stalled(self) -> None:
+    # --- the one timer -----------------------------------------------------------------------------------
+    def _arm(self, at: float) -> None:
+        loop = self._loop or asyncio.get_running_loop()
+        self._loop = loop
+        self._timer = loop.call_at(loop.time() + max(0.0, at - time.monotonic()), self._fire)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _arm_by(self, at: float) -> None:
+        """The timer fires by `at` at the latest."""
+        loop = self._loop
+        if self._timer.when() > loop.time() + (at - time.monotonic()):
+            self._timer.cancel()
+            self._arm(at)
+
+    def _fire(self) -> None:
+        self._timer = None
+        now = time.monotonic()
+        next_at = []
+        if self._sending is not None and not self.stalled:
+            at = self._send_began + self.intake.send_timeout
+            if now >= at:
+                return self._stall()
+            next_at.append(at)
+        if not self.body_done and not self._body_late:
+            at = self._body_deadline()
+            if now >= at:
+                self._body_late = True
+                if self._receiving is not None:
+                    self._receiving.cancel()
+            else:
+                next_at.append(at)
+        if next_at:  # else the next send arms it again
+            self._arm(min(next_at))
+
+    def _stall(self) -> None:
         """End the request as one whose client hung up: its watcher (routing/exchange.py) hears a disconnect and
-        cancels it, so it is settled as cut short. A request with no watcher gets ClientStalled instead."""
+        cancels it, so it is settled as cut short. Without a watcher, the send raises ClientStalled after
+        HANG_UP_WAIT_S."""
         self.stalled = True
         log.info("a client took nothing of its answer for %g s: ending its request", self.intake.send_timeout)
-        if self._hang_up is not None and not self._hang_up.done():
-            self._hang_up.set_result(None)
-        await asyncio.sleep(HANG_UP_WAIT_S)
-        raise ClientStalled()
+        if self._listening is not None:
+            self._listening.cancel()
+        self._loop.call_later(HANG_UP_WAIT_S, self._cancel_send, self._sending)
+
+    def _cancel_send(self, sending: asyncio.Task) -> None:
+        """No watcher ended the request: its stalled send raises ClientStalled."""
+        if self._sending is sending and not sending.done():
+            self._send_cancelled = True
+            sending.cancel()
