@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 
 from routing.models import RoutingPolicy
-from routing.sessions import session_key
+from routing.sessions import MAX_SESSION_CHARS, session_key
 from tenants.keys import api_key_create
 from tenants.models import Scope, Team, Tenant
 
@@ -197,5 +197,7 @@ def test_the_session_key_is_the_clients_first_named_id_hashed_per_tenant():
     assert named["codex window"] == session_key(scope(x_codex_window_id="w"), {}, 1)
     assert len(set(named.values())) == 5
     assert session_key(scope(x_session_id="s"), {}, 2) != named["explicit"]  # another tenant's
-    huge = session_key(scope(x_session_id="s" * 100_000), {}, 1)
-    assert all(len(key) == len(huge) == 32 for key in named.values())
+    assert all(len(key) == 32 for key in named.values())  # a bounded key, whatever the client sent
+    longest = session_key(scope(x_session_id="s" * MAX_SESSION_CHARS), {}, 1)
+    assert len(longest) == 32
+    assert session_key(scope(x_session_id="s" * (MAX_SESSION_CHARS + 1)), {}, 1) is None  # no session id
