@@ -70,27 +70,13 @@ class Assembler:
         raise NotImplementedError
 
 
-class _Choice:
-    __slots__ = ("index", "role", "content", "reasoning", "refusal", "tools", "logprobs", "finish", "stop")
-
-    def __init__(self, index: int):
-        self.index = index
-        self.role = "assistant"
-        self.content: list[str] = []
-        self.reasoning: list[str] = []
-        self.refusal: list[str] = []
-        self.tools: dict[int, dict] = {}
-        self.logprobs: dict[str, list] | None = None
-        self.finish = None
-        self.stop = None
-
-
-class ChatAssembler(Assembler):
-    """OpenAI chat completions: `chat.completion.chunk` deltas into one `chat.completion`."""
+class _Chunks(Assembler):
+    """OpenAI's chunks (chat and text completions): the answer's id, time and model from the first, the usage and
+    fingerprint from the last that carries them, each choice's piece handed to `_choice`."""
 
     def __init__(self):
         self.head: dict = {}
-        self.choices: dict[int, _Choice] = {}
+        self.choices: dict = {}
         self.usage = None
         self.fingerprint = None
 
@@ -107,32 +93,76 @@ class ChatAssembler(Assembler):
         if data.get("system_fingerprint"):
             self.fingerprint = data["system_fingerprint"]
         for raw in data.get("choices") or ():
-            index = raw.get("index", 0)
-            choice = self.choices.get(index)
-            if choice is None:
-                choice = self.choices[index] = _Choice(index)
-            delta = raw.get("delta") or {}
-            if delta.get("role"):
-                choice.role = delta["role"]
-            if delta.get("content"):
-                choice.content.append(delta["content"])
-            reasoning = delta.get("reasoning") or delta.get("reasoning_content")
-            if reasoning:
-                choice.reasoning.append(reasoning)
-            if delta.get("refusal"):
-                choice.refusal.append(delta["refusal"])
-            for call in delta.get("tool_calls") or ():
-                self._tool_delta(choice, call)
-            logprobs = raw.get("logprobs")
-            if isinstance(logprobs, dict):
-                if choice.logprobs is None:
-                    choice.logprobs = {}
-                for name, items in logprobs.items():
-                    if isinstance(items, list):
-                        choice.logprobs.setdefault(name, []).extend(items)
-            if raw.get("finish_reason") is not None:
-                choice.finish = raw["finish_reason"]
-                choice.stop = raw.get("stop_reason")
+            self._choice(raw)
+
+    def _choice(self, raw: dict) -> None:
+        raise NotImplementedError
+
+    def _answer(self, kind: str, choices: list[dict], **extra) -> bytes:
+        return orjson.dumps(
+            {
+                **self.head,
+                "object": kind,
+                "choices": choices,
+                "service_tier": None,
+                "system_fingerprint": self.fingerprint,
+                "usage": _final_usage(self.usage),
+                **extra,
+                "kv_transfer_params": None,
+            }
+        )
+
+
+def _joined_logprobs(kept: dict | None, logprobs) -> dict | None:
+    """A choice's logprobs so far with this piece's lists appended."""
+    if not isinstance(logprobs, dict):
+        return kept
+    kept = {} if kept is None else kept
+    for name, items in logprobs.items():
+        if isinstance(items, list):
+            kept.setdefault(name, []).extend(items)
+    return kept
+
+
+class _Choice:
+    __slots__ = ("index", "role", "content", "reasoning", "refusal", "tools", "logprobs", "finish", "stop")
+
+    def __init__(self, index: int):
+        self.index = index
+        self.role = "assistant"
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.refusal: list[str] = []
+        self.tools: dict[int, dict] = {}
+        self.logprobs: dict[str, list] | None = None
+        self.finish = None
+        self.stop = None
+
+
+class ChatAssembler(_Chunks):
+    """OpenAI chat completions: `chat.completion.chunk` deltas into one `chat.completion`."""
+
+    def _choice(self, raw: dict) -> None:
+        index = raw.get("index", 0)
+        choice = self.choices.get(index)
+        if choice is None:
+            choice = self.choices[index] = _Choice(index)
+        delta = raw.get("delta") or {}
+        if delta.get("role"):
+            choice.role = delta["role"]
+        if delta.get("content"):
+            choice.content.append(delta["content"])
+        reasoning = delta.get("reasoning") or delta.get("reasoning_content")
+        if reasoning:
+            choice.reasoning.append(reasoning)
+        if delta.get("refusal"):
+            choice.refusal.append(delta["refusal"])
+        for call in delta.get("tool_calls") or ():
+            self._tool_delta(choice, call)
+        choice.logprobs = _joined_logprobs(choice.logprobs, raw.get("logprobs"))
+        if raw.get("finish_reason") is not None:
+            choice.finish = raw["finish_reason"]
+            choice.stop = raw.get("stop_reason")
 
     @staticmethod
     def _tool_delta(choice: _Choice, call: dict) -> None:
@@ -181,58 +211,23 @@ class ChatAssembler(Assembler):
                     "stop_reason": choice.stop,
                 }
             )
-        return orjson.dumps(
-            {
-                **self.head,
-                "object": "chat.completion",
-                "choices": choices,
-                "service_tier": None,
-                "system_fingerprint": self.fingerprint,
-                "usage": _final_usage(self.usage),
-                "prompt_logprobs": None,
-                "kv_transfer_params": None,
-            }
-        )
+        return self._answer("chat.completion", choices, prompt_logprobs=None)
 
 
-class CompletionAssembler(Assembler):
+class CompletionAssembler(_Chunks):
     """OpenAI text completions: `text_completion` chunks into one answer, texts and logprobs joined."""
 
-    def __init__(self):
-        self.head: dict = {}
-        self.choices: dict[int, dict] = {}
-        self.usage = None
-        self.fingerprint = None
-
-    def feed(self, event: bytes) -> None:
-        data = _data(event)
-        if not isinstance(data, dict):
-            return
-        if "error" in data and "choices" not in data:
-            raise _error_of(data)
-        if not self.head:
-            self.head = {k: data.get(k) for k in ("id", "created", "model")}
-        if data.get("usage"):
-            self.usage = data["usage"]
-        if data.get("system_fingerprint"):
-            self.fingerprint = data["system_fingerprint"]
-        for raw in data.get("choices") or ():
-            index = raw.get("index", 0)
-            choice = self.choices.setdefault(
-                index, {"text": [], "logprobs": None, "finish_reason": None, "stop_reason": None}
-            )
-            if raw.get("text"):
-                choice["text"].append(raw["text"])
-            logprobs = raw.get("logprobs")
-            if isinstance(logprobs, dict):
-                if choice["logprobs"] is None:
-                    choice["logprobs"] = {}
-                for name, items in logprobs.items():
-                    if isinstance(items, list):
-                        choice["logprobs"].setdefault(name, []).extend(items)
-            if raw.get("finish_reason") is not None:
-                choice["finish_reason"] = raw["finish_reason"]
-                choice["stop_reason"] = raw.get("stop_reason")
+    def _choice(self, raw: dict) -> None:
+        index = raw.get("index", 0)
+        choice = self.choices.setdefault(
+            index, {"text": [], "logprobs": None, "finish_reason": None, "stop_reason": None}
+        )
+        if raw.get("text"):
+            choice["text"].append(raw["text"])
+        choice["logprobs"] = _joined_logprobs(choice["logprobs"], raw.get("logprobs"))
+        if raw.get("finish_reason") is not None:
+            choice["finish_reason"] = raw["finish_reason"]
+            choice["stop_reason"] = raw.get("stop_reason")
 
     def body(self) -> bytes:
         choices = [
@@ -246,17 +241,7 @@ class CompletionAssembler(Assembler):
             }
             for index, choice in sorted(self.choices.items())
         ]
-        return orjson.dumps(
-            {
-                **self.head,
-                "object": "text_completion",
-                "choices": choices,
-                "service_tier": None,
-                "system_fingerprint": self.fingerprint,
-                "usage": _final_usage(self.usage),
-                "kv_transfer_params": None,
-            }
-        )
+        return self._answer("text_completion", choices)
 
 
 def _final_usage(usage):
