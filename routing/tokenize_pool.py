@@ -14,6 +14,8 @@ import asyncio
 import hashlib
 import logging
 import multiprocessing
+import os
+import threading
 from array import array
 from collections import OrderedDict
 from concurrent.futures import ProcessPoolExecutor
@@ -70,11 +72,26 @@ def _encode(folder: str, chat_template: str, body: bytes, path: str):
         return ("render_error", exc.reason, str(exc), exc.param)
 
 
+def _end_with_router() -> None:
+    """In each worker: exit when the router does, however it ends (the worker holds its own queue's write end, so
+    it would wait for work forever)."""
+    router = multiprocessing.parent_process()
+    if router is not None:
+        threading.Thread(target=_exit_after, args=(router,), daemon=True).start()
+
+
+def _exit_after(router) -> None:
+    router.join()
+    os._exit(0)
+
+
 # --- in the router ---------------------------------------------------------------------------------------------
 class TokenizePool:
     """`processes` single-process executors, so a conversation can be sent to the same worker every turn."""
 
-    def __init__(self, processes: int, start_method: str = "forkserver"):
+    def __init__(self, processes: int, start_method: str = "spawn"):
+        # Spawned, the workers are the router's own children: they end with it, however it ends (a forkserver
+        # outlived its router, with its workers). They start at the first large request, not before.
         self.processes = max(1, processes)
         self.context = multiprocessing.get_context(start_method)
         self._executors: list[ProcessPoolExecutor | None] = [None] * self.processes
@@ -82,7 +99,9 @@ class TokenizePool:
     def _executor(self, index: int) -> ProcessPoolExecutor:
         executor = self._executors[index]
         if executor is None:
-            executor = self._executors[index] = ProcessPoolExecutor(1, mp_context=self.context)
+            executor = self._executors[index] = ProcessPoolExecutor(
+                1, mp_context=self.context, initializer=_end_with_router
+            )
         return executor
 
     def start(self) -> None:
@@ -91,10 +110,11 @@ class TokenizePool:
             self._executor(index).submit(int)
 
     def preload(self, folder: str, chat_template: str) -> None:
-        """Have every worker load a deployment's tokenizer in the background."""
-        for index in range(self.processes):
-            future = self._executor(index).submit(_load, folder, chat_template)
-            future.add_done_callback(_logged)
+        """Have every worker already started load a deployment's tokenizer in the background (one started later
+        loads it at its first request)."""
+        for executor in self._executors:
+            if executor is not None:
+                executor.submit(_load, folder, chat_template).add_done_callback(_logged)
 
     async def encode(
         self, folder: str, chat_template: str, body: bytes, payload: dict, path: str
