@@ -20,7 +20,7 @@ from django.conf import settings
 from tenants.periods import period_bounds
 from tenants.pricing import cost_from_prices
 
-from .state import Prices, QuotaInfo
+from .state import KeyInfo, Prices, QuotaInfo, Snapshot
 
 # Money is counted in Redis as integers of 1e-8 of the currency unit, the ledger's precision.
 MONEY_SCALE = Decimal("100000000")
@@ -31,7 +31,8 @@ CONCURRENCY_MAX_HOLD_S = 900
 # from the journal can still tell it was never applied.
 UNSETTLED_RETAIN_S = 3600
 
-# KEYS: for each scope (team, then key when it has a quota of its own) seven keys:
+# KEYS: for each scope (the tenant when an operator set it ceilings, the team, then the key, each when it has a quota
+# of its own) seven keys:
 #   rpm, itpm, otpm, concurrency zset, token budget, spend budget, and a spare.
 # ARGV: now, request id, n_scopes, then per scope: rpm_limit, itpm_limit, otpm_limit, conc_limit, tok_limit,
 #   spend_limit, window_ttl, budget_ttl; then the request's: input_reserve, output_reserve, spend_reserve, and the
@@ -148,6 +149,20 @@ LIMIT_MESSAGES = {
 }
 
 
+# A quota's scope: its kind ("tenant", "team" or "key"), the id of what it limits, and its quota (None: no quota).
+Scope = tuple[str, int, QuotaInfo | None]
+
+
+def quota_scopes(snapshot: Snapshot, key: KeyInfo) -> list[Scope]:
+    """The scopes a key's requests count against, widest first: its tenant's ceilings (pooled over all of the
+    tenant's teams and keys, so that a tenant's admins cannot add teams to get more), its team's quota, its own."""
+    return [
+        ("tenant", key.tenant_id, snapshot.tenant_quotas.get(key.tenant_id)),
+        ("team", key.team_id, snapshot.team_quotas.get(key.team_id)),
+        ("key", key.id, snapshot.key_quotas.get(key.id)),
+    ]
+
+
 @dataclass
 class Reservation:
     request_id: str
@@ -221,15 +236,12 @@ class Admission:
         self,
         *,
         request_id: str,
-        team_id: int,
-        key_id: int,
-        team_quota: QuotaInfo | None,
-        key_quota: QuotaInfo | None,
+        scopes: list[Scope],
         input_reserve: int,
         output_reserve: int,
         spend_reserve: int,
     ) -> Decision:
-        scopes = [("team", team_id, team_quota), ("key", key_id, key_quota)]
+        """Admit a request against every scope that has a quota (`quota_scopes`), all or none."""
         scopes = [(kind, ident, quota) for kind, ident, quota in scopes if quota is not None]
         reservation = Reservation(request_id, [], len(scopes), input_reserve, output_reserve, spend_reserve)
         if not scopes:
@@ -266,12 +278,9 @@ class Admission:
         kind, _, quota = scopes[scope_index]
         return _refused(kind, quota, limit, retry_after)
 
-    async def count_request(
-        self, *, team_id: int, key_id: int, team_quota: QuotaInfo | None, key_quota: QuotaInfo | None
-    ) -> Decision:
+    async def count_request(self, scopes: list[Scope]) -> Decision:
         """Count a request that takes no tokens, slot or budget (count_tokens) against the requests per minute
-        of its team and key, in the same counters `admit` checks; refused when either is at its limit."""
-        scopes = [("team", team_id, team_quota), ("key", key_id, key_quota)]
+        of its scopes (`quota_scopes`), in the same counters `admit` checks; refused when one is at its limit."""
         scopes = [(k, i, q) for k, i, q in scopes if q is not None and q.requests_per_minute is not None]
         if not scopes:
             return Decision(True)

@@ -29,7 +29,7 @@ from redis.exceptions import RedisError
 from inference_platform.config_version import CONFIG_VERSION_KEY
 
 from . import metrics
-from .admission import Admission
+from .admission import Admission, quota_scopes
 from .dialects import ANTHROPIC, OPENAI, RESPONSES, Dialect, RenderError, first_media_part
 from .engine_errors import refusal, route_missing_body
 from .finisher import Finisher
@@ -408,14 +408,8 @@ class Router:
 
     async def _count_request(self, key: KeyInfo):
         """Count a count_tokens call against its key's and team's requests per minute (routing/admission.py)."""
-        snapshot = self.snapshot
         try:
-            return await self.admission.count_request(
-                team_id=key.team_id,
-                key_id=key.id,
-                team_quota=snapshot.team_quotas.get(key.team_id),
-                key_quota=snapshot.key_quotas.get(key.id),
-            )
+            return await self.admission.count_request(quota_scopes(self.snapshot, key))
         except RedisError:
             log.exception("could not count a count_tokens request against its quota")
             raise HttpError(

@@ -16,7 +16,7 @@ from django.conf import settings
 from redis.exceptions import RedisError
 
 from . import metrics
-from .admission import cost_units
+from .admission import cost_units, quota_scopes
 from .assemble import assembles
 from .dialects import OPENAI, Dialect
 from .exchange import Exchange, RequestInfo
@@ -111,8 +111,8 @@ async def generate(router: Router, scope: dict, receive: Receive, send: Send, di
         )
 
     snapshot = router.snapshot
-    team_quota, key_quota = snapshot.team_quotas.get(key.team_id), snapshot.key_quotas.get(key.id)
-    under_quota = team_quota is not None or key_quota is not None
+    scopes = quota_scopes(snapshot, key)
+    under_quota = any(quota is not None for _, _, quota in scopes)
     # Priced here only under a quota (for spend budgets); the ledger prices every request when it ingests it.
     prices = (
         snapshot.prices_for(deployment.served_model_name, key.tenant_id, datetime.now(UTC))
@@ -122,10 +122,7 @@ async def generate(router: Router, scope: dict, receive: Receive, send: Send, di
     try:
         decision = await router.admission.admit(
             request_id=request_id,
-            team_id=key.team_id,
-            key_id=key.id,
-            team_quota=team_quota,
-            key_quota=key_quota,
+            scopes=scopes,
             input_reserve=input_bound,
             output_reserve=output_bound,
             spend_reserve=cost_units(prices, input_bound, 0, output_bound),

@@ -129,6 +129,8 @@ class Snapshot:
     keys: dict[str, KeyInfo] = field(default_factory=dict)
     deployments: dict[str, DeploymentInfo] = field(default_factory=dict)
     team_quotas: dict[int, QuotaInfo] = field(default_factory=dict)
+    # tenant id -> its ceilings, set by operators, counted for all its teams and keys together
+    tenant_quotas: dict[int, QuotaInfo] = field(default_factory=dict)
     key_quotas: dict[int, QuotaInfo] = field(default_factory=dict)
     # (model, tenant id or None) -> sorted start times and the prices that start then
     prices: dict[tuple[str, int | None], tuple[list[datetime], list[Prices]]] = field(default_factory=dict)
@@ -190,20 +192,13 @@ def _quota(q) -> QuotaInfo:
     )
 
 
-def _within_ceilings(quota: QuotaInfo | None, tenant) -> QuotaInfo:
-    """A team's quota held to its tenant's ceilings (tenants.models.QUOTA_CEILINGS): each limit at most the
-    ceiling, an empty one the ceiling itself. A quota counting its budgets over another period than the ceilings
-    (one set before them) counts them over the ceilings' period, which is the stricter."""
+def _ceilings(tenant) -> QuotaInfo:
+    """A tenant's ceilings (tenants.models.QUOTA_CEILINGS) as the quota of the tenant as a whole: every team and key
+    of the tenant counts against it together, so no number of teams or keys gets more than the operator allowed."""
     from tenants.models import QUOTA_CEILINGS
 
-    limits = {}
-    for name, ceiling_name in QUOTA_CEILINGS.items():
-        value, ceiling = getattr(quota, name, None), getattr(tenant, ceiling_name)
-        limits[name] = value if ceiling is None else ceiling if value is None else min(value, ceiling)
-    period = quota.budget_period if quota is not None else tenant.max_budget_period
-    if tenant.has_budget_ceiling:
-        period = tenant.max_budget_period
-    return QuotaInfo(**limits, budget_period=period)
+    limits = {name: getattr(tenant, ceiling_name) for name, ceiling_name in QUOTA_CEILINGS.items()}
+    return QuotaInfo(**limits, budget_period=tenant.max_budget_period)
 
 
 def load_snapshot(version: str = "") -> Snapshot:
@@ -330,13 +325,12 @@ def load_snapshot(version: str = "") -> Snapshot:
             snapshot.key_quotas[quota.api_key_id] = _quota(quota)
         else:
             snapshot.team_quotas[quota.team_id] = _quota(quota)
-    # Every team of a tenant with ceilings is held to them, whether or not it has a quota of its own.
+    # A tenant with ceilings is a scope of its own: its teams and keys count against them together.
     any_ceiling = Q()
     for ceiling_name in QUOTA_CEILINGS.values():
         any_ceiling |= Q(**{f"{ceiling_name}__isnull": False})
-    capped = {tenant.id: tenant for tenant in Tenant.objects.filter(any_ceiling)}
-    for team_id, tenant_id in Team.objects.filter(tenant_id__in=capped).values_list("id", "tenant_id"):
-        snapshot.team_quotas[team_id] = _within_ceilings(snapshot.team_quotas.get(team_id), capped[tenant_id])
+    for tenant in Tenant.objects.filter(any_ceiling):
+        snapshot.tenant_quotas[tenant.id] = _ceilings(tenant)
 
     for sheet in PriceSheet.objects.order_by("effective_from"):
         starts, prices = snapshot.prices.setdefault((sheet.served_model_name, sheet.tenant_id), ([], []))

@@ -65,7 +65,7 @@ QUOTA_CEILINGS = {
     "spend_budget": "max_spend_budget",
 }
 CEILING_HELP = (
-    "No quota of the tenant's teams or keys may allow more; a team's empty limit gets it. Empty: none."
+    "What all of the tenant's teams and keys may use together; no quota of theirs may allow more. Empty: none."
 )
 
 
@@ -108,9 +108,9 @@ class Tenant(models.Model):
         help_text="The highest class this tenant's admins may give a team or a key. Lowering it lowers the teams "
         "and keys above it.",
     )
-    # Quota ceilings, set by operators only: what the tenant's admins may give a team or a key at most, so that a
-    # quota can serve as a credit limit. The router holds every team of the tenant to them, with or without a
-    # quota of its own (routing/state.py).
+    # Quota ceilings, set by operators only, so that they can serve as a credit limit: what the tenant's teams and
+    # keys may use together (the router counts them as one scope, routing/admission.py), and what its admins may
+    # give any one team or key at most.
     max_requests_per_minute = ceiling_field(models.PositiveIntegerField, "most requests per minute")
     max_input_tokens_per_minute = ceiling_field(
         models.PositiveBigIntegerField, "most input tokens per minute"

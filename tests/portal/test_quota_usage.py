@@ -25,10 +25,7 @@ def test_the_team_page_shows_what_admission_has_counted(world):
         for n in range(2):
             decision = await admission.admit(
                 request_id=f"page-{n}",
-                team_id=world.team_a1.pk,
-                key_id=0,
-                team_quota=info,
-                key_quota=None,
+                scopes=[("team", world.team_a1.pk, info)],
                 input_reserve=10,
                 output_reserve=5,
                 spend_reserve=0,

@@ -8,7 +8,8 @@ from decimal import Decimal
 import httpx
 from django.utils import timezone
 
-from tenants.models import PriceSheet
+from tenants.keys import api_key_create
+from tenants.models import PriceSheet, Quota, Scope, Team, Tenant
 
 from ..serving.engines import MODEL_NAME
 from .conftest import set_quota
@@ -108,3 +109,34 @@ def test_every_request_emits_exactly_one_usage_event(fleet):
         assert event.deployment_id == fleet.deployment.id and event.model == MODEL_NAME
         assert event.endpoint in {e.url for e in fleet.engines}
         assert event.ttft_ms is not None and event.latency_ms >= event.ttft_ms
+
+
+def test_a_tenants_ceilings_hold_for_all_its_teams_together(fleet):
+    """An operator's ceiling is a credit limit: a tenant admin who adds teams and keys, each with a quota within
+    the ceiling, gets no more than the ceiling in all."""
+    tenant = fleet.team.tenant
+    second_team = Team.objects.create(tenant=tenant, name="More agents", slug="more-agents")
+    second_key = api_key_create(team=second_team, name="agent", scopes=[Scope.INFERENCE])
+    for team in (fleet.team, second_team):
+        Quota.objects.create(team=team, requests_per_minute=6, token_budget=10_000, budget_period="month")
+    Tenant.objects.filter(pk=tenant.pk).update(max_requests_per_minute=8)
+    fleet.sync()
+
+    async def both() -> list[httpx.Response]:
+        first, second = await asyncio.gather(
+            fire([fleet.router.url], fleet.key.secret, 6), fire([fleet.router.url], second_key.secret, 6)
+        )
+        return first + second
+
+    statuses = [r.status_code for r in asyncio.run(both())]
+    assert statuses.count(200) == 8 and statuses.count(429) == 4, statuses
+    (refused,) = asyncio.run(fire([fleet.router.url], fleet.key.secret, 1))
+    assert refused.status_code == 429
+    assert refused.json()["error"]["message"] == "Rate limit reached for this tenant: requests per minute."
+    assert refused.headers["x-ratelimit-limit-requests"] == "8"
+    # Another tenant's teams are not counted against it.
+    other_tenant = Tenant.objects.create(name="Other", slug="other")
+    other_team = Team.objects.create(tenant=other_tenant, name="Bots", slug="bots")
+    other_key = api_key_create(team=other_team, name="bot", scopes=[Scope.INFERENCE])
+    fleet.sync()
+    assert [r.status_code for r in asyncio.run(fire([fleet.router.url], other_key.secret, 3))] == [200] * 3

@@ -225,10 +225,7 @@ async def admit(admission: Admission, request_id: str, quota, *, team_id: int = 
     twice that of output."""
     return await admission.admit(
         request_id=request_id,
-        team_id=team_id,
-        key_id=team_id,
-        team_quota=quota,
-        key_quota=None,
+        scopes=[("team", team_id, quota)],
         input_reserve=reserve,
         output_reserve=2 * reserve,
         spend_reserve=0,

@@ -1,6 +1,6 @@
 """Limits a tenant cannot raise: the ceilings an operator sets on a tenant bound every quota its admins give a
-team or a key (a 400 naming the ceiling), and the router holds every team to them; and personal API tokens die
-with the password they were signed in with."""
+team or a key (a 400 naming the ceiling), and the router counts all of the tenant's teams and keys against them
+together (tests/routing/test_quotas.py); and personal API tokens die with the password they were signed in with."""
 
 from __future__ import annotations
 
@@ -102,7 +102,7 @@ def test_only_operators_set_the_ceilings_and_tenant_admins_read_them(world, clie
     assert response.status_code == 400 and "max_requests_per_minute" in response.json()
 
 
-def test_the_router_holds_every_team_of_the_tenant_to_its_ceilings(world):
+def test_the_router_counts_a_tenants_ceilings_over_all_its_teams_together(world):
     Quota.objects.filter(pk=world.quota_a1.pk).update(
         requests_per_minute=500, token_budget=None, budget_period="day"
     )
@@ -110,21 +110,13 @@ def test_the_router_holds_every_team_of_the_tenant_to_its_ceilings(world):
         world.tenant_a, max_requests_per_minute=100, max_token_budget=10_000, max_spend_budget=Decimal("5")
     )
     snapshot = load_snapshot()
-    a1 = snapshot.team_quotas[world.team_a1.pk]  # a quota of its own, set above the ceilings before them
-    assert (a1.requests_per_minute, a1.token_budget, a1.spend_budget) == (100, 10_000, Decimal("5"))
-    assert a1.budget_period == "month"  # its budgets counted over the ceilings' period
-    a2 = snapshot.team_quotas[world.team_a2.pk]  # no quota of its own: the ceilings are its quota
-    assert (a2.requests_per_minute, a2.token_budget, a2.input_tokens_per_minute) == (100, 10_000, None)
-    b1 = snapshot.team_quotas[world.team_b1.pk]  # another tenant, no ceilings: its own quota as it is
-    assert (b1.requests_per_minute, b1.token_budget) == (60, None)
-    assert world.team_b1.pk in snapshot.team_quotas and len(snapshot.team_quotas) == 3
-
-
-def test_a_quota_below_the_ceiling_keeps_its_own_limits(world):
-    Quota.objects.filter(pk=world.quota_a1.pk).update(requests_per_minute=20, token_budget=500)
-    _ceilings(world.tenant_a, max_requests_per_minute=100, max_token_budget=10_000)
-    quota = load_snapshot().team_quotas[world.team_a1.pk]
-    assert (quota.requests_per_minute, quota.token_budget, quota.budget_period) == (20, 500, "month")
+    tenant = snapshot.tenant_quotas[world.tenant_a.pk]  # one scope for the tenant's teams and keys together
+    assert (tenant.requests_per_minute, tenant.token_budget, tenant.spend_budget) == (100, 10_000, Decimal("5"))
+    assert (tenant.input_tokens_per_minute, tenant.budget_period) == (None, "month")
+    a1 = snapshot.team_quotas[world.team_a1.pk]  # a team's own quota stays as set: the tenant's bounds it
+    assert (a1.requests_per_minute, a1.budget_period) == (500, "day")
+    assert world.team_a2.pk not in snapshot.team_quotas  # no quota of its own: only the tenant's counts
+    assert world.tenant_b.pk not in snapshot.tenant_quotas  # another tenant, no ceilings
 
 
 # --- personal tokens and passwords ------------------------------------------------------------------------
