@@ -343,6 +343,13 @@ ROUTER_TOKENIZE_WAIT_SECONDS = float(env_secret("ROUTER_TOKENIZE_WAIT_SECONDS") 
 # tokenizing thread, where they cost less. 0 processes: all on the thread.
 ROUTER_TOKENIZE_PROCESSES = env_int("ROUTER_TOKENIZE_PROCESSES", 2)
 ROUTER_TOKENIZE_POOL_MIN_BYTES = env_int("ROUTER_TOKENIZE_POOL_MIN_BYTES", 16 * 1024)
+# Token ids of large pieces of rendered text, shared by every replica and worker through Redis
+# (routing/shared_tokens.py): a piece of at least MIN_PIECE_CHARS, asked for when a prompt has MIN_REQUEST_CHARS of
+# text the replica has not tokenised, kept TTL seconds after it was written (4 bytes a token in Redis).
+ROUTER_SHARED_TOKENS = env_bool("ROUTER_SHARED_TOKENS", True)
+ROUTER_SHARED_TOKENS_MIN_PIECE_CHARS = env_int("ROUTER_SHARED_TOKENS_MIN_PIECE_CHARS", 256)
+ROUTER_SHARED_TOKENS_MIN_REQUEST_CHARS = env_int("ROUTER_SHARED_TOKENS_MIN_REQUEST_CHARS", 4096)
+ROUTER_SHARED_TOKENS_TTL_SECONDS = env_int("ROUTER_SHARED_TOKENS_TTL_SECONDS", 6 * 3600)
 # /v1/messages/count_tokens: its largest body (a 413 past it), and how long it waits for its count (then a 503).
 # Each call counts against its key's and team's requests per minute, as a generation request does.
 ROUTER_COUNT_TOKENS_MAX_BYTES = env_int("ROUTER_COUNT_TOKENS_MAX_BYTES", 4 * 1024 * 1024)

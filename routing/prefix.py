@@ -22,6 +22,7 @@ from .dialects import RenderError
 from .pipeline import Candidate, RequestContext
 from .prefix_health import PrefixHealth
 from .prefix_index import Held, PrefixIndex
+from .shared_tokens import Sharing
 from .state import DeploymentInfo
 from .tokenize import RouterTokenizer
 from .tokenize_pool import TokenizePool, prompt_tokens
@@ -51,7 +52,9 @@ class PrefixRouting:
         # not shared); a large one in a worker process (routing/tokenize_pool.py), which holds no lock of ours.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         processes = settings.ROUTER_TOKENIZE_PROCESSES
-        self.pool = TokenizePool(processes) if processes > 0 else None
+        # Token ids of large pieces, shared with the other replicas (routing/shared_tokens.py).
+        self.sharing = Sharing.from_settings()
+        self.pool = TokenizePool(processes, sharing=self.sharing) if processes > 0 else None
         self.pool_min_bytes = settings.ROUTER_TOKENIZE_POOL_MIN_BYTES
         self.sample_rate = settings.ROUTER_DECISION_LOG_SAMPLE
 
@@ -63,7 +66,10 @@ class PrefixRouting:
                 path = Path(deployment.tokenizer_path)
                 if not path.is_absolute():
                     path = settings.BASE_DIR / path
-                self._tokenizers[key] = RouterTokenizer(path, chat_template=deployment.chat_template or None)
+                tokenizer = RouterTokenizer(path, chat_template=deployment.chat_template or None)
+                if self.sharing is not None:
+                    tokenizer.shared = self.sharing.pieces_for(path)
+                self._tokenizers[key] = tokenizer
                 if self.pool is not None:
                     self.pool.preload(str(path), deployment.chat_template or "")
             except Exception as exc:  # a hub id or a broken folder: route without prefix scores

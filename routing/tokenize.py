@@ -31,6 +31,7 @@ from .dialects import (
     each,
     responses_chat_request,
 )
+from .shared_tokens import SharedPieces
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,10 @@ class SegmentCache:
         self._size = 0
         self.hits = 0
         self.misses = 0
+        self.shared_hits = 0
+
+    def __contains__(self, text: str) -> bool:
+        return text in self._items
 
     def get(self, text: str) -> array | None:
         ids = self._items.get(text)
@@ -66,8 +71,12 @@ class SegmentCache:
             self.hits += 1
         return ids
 
-    def put(self, text: str, ids: array) -> None:
-        self.misses += 1
+    def put(self, text: str, ids: array, *, shared: bool = False) -> None:
+        """`shared`: the ids came from another replica (routing/shared_tokens.py), not from tokenising here."""
+        if shared:
+            self.shared_hits += 1
+        else:
+            self.misses += 1
         self._items[text] = ids
         self._size += len(ids)
         while self._size > self.max_tokens and self._items:
@@ -137,6 +146,8 @@ class RouterTokenizer:
         self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
         config = json.loads((folder / "tokenizer_config.json").read_text())
         self.cache = cache or SegmentCache()
+        # The other replicas' ids of pieces (routing/shared_tokens.py), when the router shares them.
+        self.shared: SharedPieces | None = None
         self._recent: OrderedDict[str, list[tuple[str, array, list]]] = OrderedDict()
         self._recent_chars = 0
         self.special = {
@@ -337,8 +348,12 @@ class RouterTokenizer:
         return best
 
     def _encode_pieces(self, text: str, start: int, ids: array, marks: list) -> array:
+        pieces = self._split.split(text[start:] if start else text) if self.special else [text]
+        shared = self.shared
+        if shared is not None:
+            return self._encode_shared(shared, pieces, start, ids, marks)
         position = start
-        for piece in self._split.split(text[start:] if start else text) if self.special else [text]:
+        for piece in pieces:
             if not piece:
                 continue
             position += len(piece)
@@ -352,6 +367,39 @@ class RouterTokenizer:
                 cached = array("I", self.tokenizer.encode(piece, add_special_tokens=False).ids)
                 self.cache.put(piece, cached)
             ids.extend(cached)
+        return ids
+
+    def _encode_shared(
+        self, shared: SharedPieces, pieces: list[str], start: int, ids: array, marks: list
+    ) -> array:
+        """As `_encode_pieces`, with the pieces this tokenizer has not cached asked of the other replicas first
+        (routing/shared_tokens.py), and the large ones it tokenises given to them."""
+        special, cache = self.special, self.cache
+        unseen = [p for p in pieces if p and p not in special and p not in cache]
+        wanted = shared.wanted(unseen)
+        if wanted:
+            for piece, found in zip(wanted, shared.get_many(wanted), strict=True):
+                if found is not None:
+                    cache.put(piece, found, shared=True)
+        new: dict[str, array] = {}
+        position = start
+        for piece in pieces:
+            if not piece:
+                continue
+            position += len(piece)
+            token = special.get(piece)
+            if token is not None:
+                ids.append(token)
+                marks.append((position, len(ids)))
+                continue
+            cached = cache.get(piece)
+            if cached is None:
+                cached = array("I", self.tokenizer.encode(piece, add_special_tokens=False).ids)
+                cache.put(piece, cached)
+                if wanted and len(piece) >= shared.min_piece_chars:
+                    new[piece] = cached
+            ids.extend(cached)
+        shared.put_many(new)
         return ids
 
     def encode_chat(self, messages: list[dict], **kwargs) -> array:

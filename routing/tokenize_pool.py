@@ -25,6 +25,7 @@ from itertools import islice
 import orjson
 
 from .dialects import RenderError
+from .shared_tokens import Sharing
 from .tokenize import RESPONSES, RouterTokenizer
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ def prompt_tokens(tokenizer: RouterTokenizer, payload: dict, path: str) -> array
 
 # --- in the worker process ------------------------------------------------------------------------------------
 _loaded: OrderedDict[tuple[str, str], RouterTokenizer] = OrderedDict()
+_sharing: Sharing | None = None  # the router's, given at the worker's start
 
 
 def _tokenizer(folder: str, chat_template: str) -> RouterTokenizer:
@@ -53,6 +55,8 @@ def _tokenizer(folder: str, chat_template: str) -> RouterTokenizer:
     tokenizer = _loaded.get(key)
     if tokenizer is None:
         tokenizer = _loaded[key] = RouterTokenizer(folder, chat_template=chat_template or None)
+        if _sharing is not None:
+            tokenizer.shared = _sharing.pieces_for(tokenizer.folder)
         while len(_loaded) > WORKER_TOKENIZERS:
             _loaded.popitem(last=False)
     _loaded.move_to_end(key)
@@ -72,9 +76,11 @@ def _encode(folder: str, chat_template: str, body: bytes, path: str):
         return ("render_error", exc.reason, str(exc), exc.param)
 
 
-def _end_with_router() -> None:
-    """In each worker: exit when the router does, however it ends (the worker holds its own queue's write end, so
-    it would wait for work forever)."""
+def _start_worker(sharing: Sharing | None) -> None:
+    """In each worker, first: share token ids as the router does, and exit when the router does, however it ends
+    (the worker holds its own queue's write end, so it would wait for work forever)."""
+    global _sharing
+    _sharing = sharing
     router = multiprocessing.parent_process()
     if router is not None:
         threading.Thread(target=_exit_after, args=(router,), daemon=True).start()
@@ -89,18 +95,19 @@ def _exit_after(router) -> None:
 class TokenizePool:
     """`processes` single-process executors, so a conversation can be sent to the same worker every turn."""
 
-    def __init__(self, processes: int, start_method: str = "spawn"):
+    def __init__(self, processes: int, start_method: str = "spawn", sharing: Sharing | None = None):
         # Spawned, the workers are the router's own children: they end with it, however it ends (a forkserver
         # outlived its router, with its workers). They start at the first large request, not before.
         self.processes = max(1, processes)
         self.context = multiprocessing.get_context(start_method)
+        self.sharing = sharing
         self._executors: list[ProcessPoolExecutor | None] = [None] * self.processes
 
     def _executor(self, index: int) -> ProcessPoolExecutor:
         executor = self._executors[index]
         if executor is None:
             executor = self._executors[index] = ProcessPoolExecutor(
-                1, mp_context=self.context, initializer=_end_with_router
+                1, mp_context=self.context, initializer=_start_worker, initargs=(self.sharing,)
             )
         return executor
 
