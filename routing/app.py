@@ -38,6 +38,7 @@ from .generation import generate
 from .intake import ClientStalled, Intake
 from .load import EndpointLoad, trade_loads
 from .load_scraper import LOAD_KEY
+from .loop_lag import LoopLag
 from .pipeline import Pipeline
 from .prefix import PrefixRouting
 from .redis_pool import router_redis
@@ -80,6 +81,7 @@ class Router:
         self.finisher: Finisher | None = None
         self._started: asyncio.Future | None = None
         self._refresher: asyncio.Task | None = None
+        self.loop_lag = LoopLag()
         self._snapshot_at = 0.0
         self.max_body = settings.ROUTER_MAX_BODY_BYTES
         self.max_messages = settings.ROUTER_MAX_MESSAGES
@@ -129,6 +131,7 @@ class Router:
                 gc.freeze()
                 gc.set_threshold(settings.ROUTER_GC_THRESHOLD, 20, 20)
                 self._refresher = asyncio.get_running_loop().create_task(self._refresh_forever())
+                self.loop_lag.start()
                 self._started.set_result(True)
             except BaseException as exc:
                 self._started.set_exception(exc)
@@ -140,6 +143,7 @@ class Router:
     async def stop(self) -> None:
         if self._refresher:
             self._refresher.cancel()
+        self.loop_lag.stop()
         if self.upstream:
             self.upstream.close()
         if self.prefix and self.prefix.pool:

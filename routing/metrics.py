@@ -66,11 +66,28 @@ added = Histogram(
     buckets=ADDED_BUCKETS,
     registry=registry,
 )
+loop_lag = Histogram(
+    "router_event_loop_lag_seconds",
+    "How late the event loop ran a 10 ms probe timer (routing/loop_lag.py): what every request waited then.",
+    buckets=ADDED_BUCKETS + (0.5, 1, 2.5),
+    registry=registry,
+)
+loop_lag_worst = Gauge(
+    "router_event_loop_lag_worst_seconds",
+    "The largest event loop lag since the replica started.",
+    registry=registry,
+)
 index_lookup = Histogram(
     "router_prefix_index_lookup_seconds",
     "Round trip of the precise prefix index lookup in Redis, one per request routed by it.",
     ["model"],
     buckets=ADDED_BUCKETS,
+    registry=registry,
+)
+index_late_loop = Counter(
+    "router_prefix_index_late_loop",
+    "Precise lookups whose timeout fired late (the event loop was busy) and that were given one more period.",
+    ["model"],
     registry=registry,
 )
 index_fallbacks = Counter(

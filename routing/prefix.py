@@ -19,6 +19,7 @@ from . import metrics
 from .affinity import ApproximateIndex, SessionMap
 from .blocks import PromptKeyCache, chain_seed
 from .dialects import RenderError
+from .loop_lag import late_by
 from .pipeline import Candidate, RequestContext
 from .prefix_health import PrefixHealth
 from .prefix_index import Held, PrefixIndex
@@ -157,7 +158,15 @@ class PrefixRouting:
         asked = time.perf_counter()
         lookup = asyncio.ensure_future(self.index.lookup(deployment.id, keys))
         try:
-            held = await asyncio.wait_for(asyncio.shield(lookup), self.lookup_timeout)
+            try:
+                held = await asyncio.wait_for(asyncio.shield(lookup), self.lookup_timeout)
+            except TimeoutError:
+                # A timer that fired late says the loop was busy (tokenising, parsing a large body) rather than
+                # Redis slow: its answer is likely waiting to be read. It gets one more period, now the loop is free.
+                if late_by(asked + self.lookup_timeout) < self.lookup_timeout / 2:
+                    raise
+                held = await asyncio.wait_for(asyncio.shield(lookup), self.lookup_timeout)
+                metrics.of(metrics.index_late_loop, model).inc()
         except TimeoutError:
             # It finishes in the background; its connection stays usable.
             lookup.add_done_callback(read_outcome)

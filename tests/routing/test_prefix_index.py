@@ -237,6 +237,36 @@ def test_when_redis_fails_or_stalls_a_precise_lookup_routes_on_the_replicas_own_
     assert took < 1.0  # not held up until the client's own 5 s socket timeout
 
 
+def test_a_lookup_timer_made_late_by_a_busy_loop_waits_one_more_period_for_the_index():
+    """The loop held 60 ms (a large body parsed, say) just as a lookup was sent: its 20 ms timer fires 40 ms
+    late, with Redis's answer waiting to be read. The index answers; a stalled Redis still falls back."""
+    deployment = precise_deployment(881_005)
+    tokens = [random.Random(13).randrange(100, 4000) for _ in range(4 * 16)]
+    keys = hex_keys(block_keys(tokens, 16, chain_seed("t")))
+
+    async def scenario():
+        client = aioredis.Redis.from_url(settings.REDIS_URL)
+        try:
+            for key in keys:
+                await client.hset(f"px:{deployment.id}:{key}", "1", "g")
+            routing = prefix_routing(client, 0.02)
+            await ask(routing, deployment, tokens[:16])  # connected: the next lookup is one round trip
+            asyncio.get_running_loop().call_soon(time.sleep, 0.06)
+            return await ask(routing, deployment, tokens)
+        finally:
+            await client.delete(f"pxsp:{deployment.id}", *[f"px:{deployment.id}:{key}" for key in keys])
+            await client.aclose()
+
+    late_before, fallbacks_before = (
+        metrics.of(metrics.index_late_loop, "t")._value.get(),
+        fallback_count("timeout"),
+    )
+    ctx = run(scenario())
+    assert ctx.from_index and ctx.held == {1: Held(gpu=4)}
+    assert metrics.of(metrics.index_late_loop, "t")._value.get() == late_before + 1
+    assert fallback_count("timeout") == fallbacks_before
+
+
 def test_index_vs_record_says_which_way_the_engines_differ_from_what_the_replica_sent():
     assert index_vs_record({1: Held(gpu=10)}, {1: 10}) == "same"
     assert index_vs_record({1: Held(gpu=4, speculative=6)}, {1: 10}) == "same"
