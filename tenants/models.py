@@ -64,9 +64,7 @@ QUOTA_CEILINGS = {
     "token_budget": "max_token_budget",
     "spend_budget": "max_spend_budget",
 }
-CEILING_HELP = (
-    "What all of the tenant's teams and keys may use together; no quota of theirs may allow more. Empty: none."
-)
+CEILING_HELP = "What all of the tenant's teams and keys may use together; no quota of theirs may allow more. Empty: none."
 
 
 def ceiling_field(kind: type[models.Field], verbose_name: str) -> models.Field:

@@ -6,40 +6,77 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('tenants', '0008_quota_ceilings'),
+        ("tenants", "0008_quota_ceilings"),
     ]
 
     operations = [
         migrations.AlterField(
-            model_name='tenant',
-            name='max_concurrent_requests',
-            field=models.PositiveIntegerField(blank=True, help_text="What all of the tenant's teams and keys may use together; no quota of theirs may allow more. Empty: none.", null=True, validators=[django.core.validators.MinValueValidator(1)], verbose_name='most concurrent requests'),
+            model_name="tenant",
+            name="max_concurrent_requests",
+            field=models.PositiveIntegerField(
+                blank=True,
+                help_text="What all of the tenant's teams and keys may use together; no quota of theirs may allow more. Empty: none.",
+                null=True,
+                validators=[django.core.validators.MinValueValidator(1)],
+                verbose_name="most concurrent requests",
+            ),
         ),
         migrations.AlterField(
-            model_name='tenant',
-            name='max_input_tokens_per_minute',
-            field=models.PositiveBigIntegerField(blank=True, help_text="What all of the tenant's teams and keys may use together; no quota of theirs may allow more. Empty: none.", null=True, validators=[django.core.validators.MinValueValidator(1)], verbose_name='most input tokens per minute'),
+            model_name="tenant",
+            name="max_input_tokens_per_minute",
+            field=models.PositiveBigIntegerField(
+                blank=True,
+                help_text="What all of the tenant's teams and keys may use together; no quota of theirs may allow more. Empty: none.",
+                null=True,
+                validators=[django.core.validators.MinValueValidator(1)],
+                verbose_name="most input tokens per minute",
+            ),
         ),
         migrations.AlterField(
-            model_name='tenant',
-            name='max_output_tokens_per_minute',
-            field=models.PositiveBigIntegerField(blank=True, help_text="What all of the tenant's teams and keys may use together; no quota of theirs may allow more. Empty: none.", null=True, validators=[django.core.validators.MinValueValidator(1)], verbose_name='most output tokens per minute'),
+            model_name="tenant",
+            name="max_output_tokens_per_minute",
+            field=models.PositiveBigIntegerField(
+                blank=True,
+                help_text="What all of the tenant's teams and keys may use together; no quota of theirs may allow more. Empty: none.",
+                null=True,
+                validators=[django.core.validators.MinValueValidator(1)],
+                verbose_name="most output tokens per minute",
+            ),
         ),
         migrations.AlterField(
-            model_name='tenant',
-            name='max_requests_per_minute',
-            field=models.PositiveIntegerField(blank=True, help_text="What all of the tenant's teams and keys may use together; no quota of theirs may allow more. Empty: none.", null=True, validators=[django.core.validators.MinValueValidator(1)], verbose_name='most requests per minute'),
+            model_name="tenant",
+            name="max_requests_per_minute",
+            field=models.PositiveIntegerField(
+                blank=True,
+                help_text="What all of the tenant's teams and keys may use together; no quota of theirs may allow more. Empty: none.",
+                null=True,
+                validators=[django.core.validators.MinValueValidator(1)],
+                verbose_name="most requests per minute",
+            ),
         ),
         migrations.AlterField(
-            model_name='tenant',
-            name='max_spend_budget',
-            field=models.DecimalField(blank=True, decimal_places=4, help_text="What all of the tenant's teams and keys may use together; no quota of theirs may allow more. Empty: none.", max_digits=14, null=True, validators=[django.core.validators.MinValueValidator(Decimal('0'))], verbose_name='largest spend budget'),
+            model_name="tenant",
+            name="max_spend_budget",
+            field=models.DecimalField(
+                blank=True,
+                decimal_places=4,
+                help_text="What all of the tenant's teams and keys may use together; no quota of theirs may allow more. Empty: none.",
+                max_digits=14,
+                null=True,
+                validators=[django.core.validators.MinValueValidator(Decimal("0"))],
+                verbose_name="largest spend budget",
+            ),
         ),
         migrations.AlterField(
-            model_name='tenant',
-            name='max_token_budget',
-            field=models.PositiveBigIntegerField(blank=True, help_text="What all of the tenant's teams and keys may use together; no quota of theirs may allow more. Empty: none.", null=True, validators=[django.core.validators.MinValueValidator(1)], verbose_name='largest token budget'),
+            model_name="tenant",
+            name="max_token_budget",
+            field=models.PositiveBigIntegerField(
+                blank=True,
+                help_text="What all of the tenant's teams and keys may use together; no quota of theirs may allow more. Empty: none.",
+                null=True,
+                validators=[django.core.validators.MinValueValidator(1)],
+                verbose_name="largest token budget",
+            ),
         ),
     ]

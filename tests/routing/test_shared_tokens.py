@@ -28,7 +28,8 @@ def _tool_session(turns: int, lines: int = 80) -> list[dict]:
     messages = [{"role": "system", "content": "You are a coding agent working in a repository. " * 40}]
     for turn in range(turns):
         listing = "".join(
-            f"src/module_{turn}_{line}.py: def handler_{line}(event): return {line}\n" for line in range(lines)
+            f"src/module_{turn}_{line}.py: def handler_{line}(event): return {line}\n"
+            for line in range(lines)
         )
         messages += [
             {"role": "user", "content": f"Run step {turn}."},

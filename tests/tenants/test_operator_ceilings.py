@@ -111,7 +111,11 @@ def test_the_router_counts_a_tenants_ceilings_over_all_its_teams_together(world)
     )
     snapshot = load_snapshot()
     tenant = snapshot.tenant_quotas[world.tenant_a.pk]  # one scope for the tenant's teams and keys together
-    assert (tenant.requests_per_minute, tenant.token_budget, tenant.spend_budget) == (100, 10_000, Decimal("5"))
+    assert (tenant.requests_per_minute, tenant.token_budget, tenant.spend_budget) == (
+        100,
+        10_000,
+        Decimal("5"),
+    )
     assert (tenant.input_tokens_per_minute, tenant.budget_period) == (None, "month")
     a1 = snapshot.team_quotas[world.team_a1.pk]  # a team's own quota stays as set: the tenant's bounds it
     assert (a1.requests_per_minute, a1.budget_period) == (500, "day")
