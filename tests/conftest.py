@@ -1,7 +1,8 @@
 """Shared fixtures. Tests run against the real PostgreSQL and Redis that `make test` provides.
 
 Tests that need more than that are marked here, from what they use, so that `make test-fast` can leave them out:
-`vllm` (a real vLLM engine), `browser` (headless Chromium) and `kubectl` (marked by its modules).
+`vllm` (a real vLLM engine), `browser` (headless Chromium) and `kubectl` (marked by its modules). Modules of pure
+functions mark themselves `unit`: `make test-unit` runs those alone, with no database or Redis.
 """
 
 from __future__ import annotations
@@ -138,7 +139,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.browser)
 
 
+# What a unit test may not use (`make test-unit` runs them with no database or Redis to be had).
+NOT_UNIT = {"db", "transactional_db", "django_db_setup", "live_server", "world", "client_for"}
+
+
 def pytest_runtest_setup(item):
+    if item.get_closest_marker("unit") and NOT_UNIT & set(item.fixturenames):
+        pytest.fail(f"a unit test uses {sorted(NOT_UNIT & set(item.fixturenames))}: move it out of the unit tier")
     if item.get_closest_marker("kubectl") and not shutil.which("kubectl"):
         pytest.fail("kubectl (with kustomize) is not on PATH: `make kubectl` installs it (`make test` does)")
 

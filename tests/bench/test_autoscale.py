@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from bench.autoscale import Day, Result, Run, met_share, p90, windows
+
+pytestmark = pytest.mark.unit  # pure functions: no database, Redis or process (make test-unit)
 
 
 def test_the_day_has_a_night_a_peak_and_ramps_between():

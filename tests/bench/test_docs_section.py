@@ -1,6 +1,10 @@
 """Benchmarks rewrite their marked sections of docs/benchmarks.md and leave the hand-written readings alone."""
 
+import pytest
+
 from bench.docs_section import write_section
+
+pytestmark = pytest.mark.unit  # pure functions: no database, Redis or process (make test-unit)
 
 
 def test_a_new_file_gets_the_chapter_and_the_section(tmp_path):

@@ -1,7 +1,11 @@
 """The routing benchmark's workloads and the reuse ceilings its targets are measured against."""
 
+import pytest
+
 from bench import routing_workloads as wl
 from bench.routing_workloads import Req
+
+pytestmark = pytest.mark.unit  # pure functions: no database, Redis or process (make test-unit)
 
 BLOCK = 128  # engine block size; each id expands to 512 tokens, four blocks
 

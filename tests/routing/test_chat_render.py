@@ -15,6 +15,8 @@ from routing.tokenize import RouterTokenizer, TemplateSandbox
 from ..serving.engines import MODEL_DIR
 from .render_corpus import CASES, CHAT, MESSAGES, RESPONSES
 
+pytestmark = pytest.mark.unit  # pure functions: no database, Redis or process (make test-unit)
+
 # A template in the manner of the reasoning models': a namespace set by a reverse scan before the loop decides
 # which assistant turns keep their reasoning, a macro renders content, and the loop looks at its neighbours.
 REASONING = """

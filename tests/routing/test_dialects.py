@@ -22,6 +22,8 @@ from routing.dialects import (
     responses_tool_names,
 )
 
+pytestmark = pytest.mark.unit  # pure functions: no database, Redis or process (make test-unit)
+
 
 def event(data: dict | str) -> bytes:
     return b"data: " + (data.encode() if isinstance(data, str) else orjson.dumps(data)) + b"\n\n"

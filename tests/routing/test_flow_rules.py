@@ -27,6 +27,8 @@ from routing.load import EndpointLoad
 from routing.pipeline import Pipeline
 from routing.state import DeploymentInfo, EndpointInfo, KeyInfo, PolicyInfo
 
+pytestmark = pytest.mark.unit  # pure functions: no database, Redis or process (make test-unit)
+
 
 def deployment(engines: int = 2, **policy) -> DeploymentInfo:
     endpoints = tuple(

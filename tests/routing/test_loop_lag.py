@@ -5,8 +5,12 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from routing import metrics
 from routing.loop_lag import LoopLag
+
+pytestmark = pytest.mark.unit  # pure functions: no database, Redis or process (make test-unit)
 
 
 def test_a_loop_held_by_synchronous_work_shows_as_lag():

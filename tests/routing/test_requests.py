@@ -44,6 +44,8 @@ from routing.tokenize import RouterTokenizer, token_ids
 
 from ..serving.engines import MODEL_DIR, MODEL_NAME
 
+pytestmark = pytest.mark.unit  # pure functions: no database, Redis or process (make test-unit)
+
 SECRET = "ipk_abcdefghijkm_s3cret-for-unit-tests"
 PEPPER = b"unit-test-pepper"
 CONTEXT = 4096

@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from collections import Counter
 
+import pytest
+
 from routing.load import RECENT_WINDOW_S, EndpointLoad
 from routing.picker import prefill_ahead
 from routing.pipeline import Candidate, Pipeline, RequestContext
@@ -12,6 +14,8 @@ from routing.prefix_index import Held
 from routing.scorers.prefix_match import distinct_shares
 from routing.state import DeploymentInfo, EndpointInfo, PolicyInfo
 from routing.steps import request_weight
+
+pytestmark = pytest.mark.unit  # pure functions: no database, Redis or process (make test-unit)
 
 
 def deployment(count: int, mode: str = "precise") -> DeploymentInfo:

@@ -11,6 +11,8 @@ from aiohttp import web
 
 from routing.upstream import READ_HIGH_WATER, UpstreamClosed, UpstreamConnectError, UpstreamPool
 
+pytestmark = pytest.mark.unit  # pure functions: no database, Redis or process (make test-unit)
+
 
 class Engine:
     """An aiohttp server standing in for an engine, recording what it saw."""

@@ -1,6 +1,10 @@
 """The simulator's block pool on its own: prefix lookup, references, LRU eviction and events."""
 
+import pytest
+
 from serving.simulator.kv_cache import Allocation, BlockPool, CpuTier, block_hashes, external_hash
+
+pytestmark = pytest.mark.unit  # pure functions: no database, Redis or process (make test-unit)
 
 
 def make_pool(blocks=4):
