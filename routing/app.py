@@ -272,11 +272,11 @@ class Router:
         """A request with a body, under the limits of routing/intake.py: its key's requests still arriving, its
         body's deadline and rate, and a send timeout for a client that stops reading."""
         try:
-            key_id = self.authenticate(scope, dialect).id
+            key = self.authenticate(scope, dialect)
         except HttpError:
-            key_id = None  # its handler refuses it before reading any of its body
+            key = None  # its handler refuses it before reading any of its body
         try:
-            guard = self.intake.enter(key_id, hold_until_done=counting)
+            guard = self.intake.enter(key.id if key else None, hold_until_done=counting)
         except HttpError as exc:
             metrics.of(metrics.errors, "", "intake_per_key").inc()
             return await respond(
@@ -289,7 +289,7 @@ class Router:
             if counting:
                 await self.count_tokens(scope, guard.receive(receive), guard.send(send))
             else:
-                await generate(self, scope, guard.receive(receive), guard.send(send), dialect)
+                await generate(self, scope, guard.receive(receive), guard.send(send), dialect, key)
         except ClientStalled:
             metrics.of(metrics.errors, "", "client_stalled").inc()
         finally:

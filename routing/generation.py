@@ -1,6 +1,12 @@
-"""The generation routes' handler: a request is checked (routing/requests.py), admitted against its quotas, its
-prompt tokenized and scored for routing, and an Exchange (routing/exchange.py) serves it; the reservation is
-settled once, whatever way the exchange ends."""
+"""The generation routes' handler, in four steps, each a function of what the one before gave it:
+
+1. `check`: the key, the body and every field the router acts on (routing/requests.py), with the request's token
+   bounds; any refusal that needs no quota and no tokenizer is decided here.
+2. `admit`: the bounds reserved against the tenant's, team's and key's quotas (routing/admission.py).
+3. `place`: the prompt tokenized and scored for routing (routing/prefix.py); the refusals that need its count.
+4. `serve`: an Exchange (routing/exchange.py) takes it to an engine and back; the reservation is settled once,
+   by `Exchange.complete`, whatever way it ends.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +15,7 @@ import logging
 import os
 import time
 from array import array
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
@@ -16,7 +23,7 @@ from django.conf import settings
 from redis.exceptions import RedisError
 
 from . import metrics
-from .admission import cost_units, quota_scopes
+from .admission import Decision, cost_units, quota_scopes
 from .assemble import assembles
 from .dialects import OPENAI, Dialect
 from .exchange import Exchange, RequestInfo
@@ -36,7 +43,7 @@ from .requests import (
     validate,
 )
 from .sessions import session_key
-from .state import DeploymentInfo
+from .state import DeploymentInfo, KeyInfo, Prices
 from .tokenize import token_ids
 from .wire import JSON_HEADERS, Receive, Send, encode_headers, respond
 
@@ -46,47 +53,34 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-async def generate(router: Router, scope: dict, receive: Receive, send: Send, dialect: Dialect) -> None:
-    """A generation route: check the request, admit it, score its prompt, and serve it with an Exchange."""
+@dataclass(slots=True)
+class Checked:
+    """A request that passed `check`: what admission reserves and the exchange serves."""
+
+    key: KeyInfo
+    deployment: DeploymentInfo
+    payload: dict  # the fields sent on to the engine
+    body: bytes  # `payload` as JSON
+    prompt_ids: array | None  # a prompt sent as token ids
+    input_bound: int
+    output_bound: int
+    stream: bool
+    client_wants_usage: bool
+    client_wants_running_usage: bool
+    assemble: bool
+    priority: str
+    session: str | None
+
+
+async def generate(
+    router: Router, scope: dict, receive: Receive, send: Send, dialect: Dialect, key: KeyInfo | None = None
+) -> None:
+    """A generation route: check, admit, place, serve. `key`: the request's key when the caller already
+    authenticated it."""
     started = time.perf_counter()
     request_id = os.urandom(16).hex()
-    path = scope["path"]
     try:
-        key = router.authenticate(scope, dialect)
-        body = await read_body(receive, router.max_body)
-        payload = parse(body)
-        deployment = deployment_for(router.snapshot, payload, key)
-        priority = priority_for(scope, key)
-        session = session_key(scope, payload, key.tenant_id)
-        payload = engine_fields(payload, path, key, body)
-        prompt_ids = token_ids(payload.get("prompt"))  # a prompt of token ids, converted once
-        input_bound, output_bound = validate(
-            payload,
-            deployment,
-            dialect,
-            prompt_ids,
-            path,
-            router.max_messages,
-            router.max_choices,
-            router.prefix,
-        )
-        stream = bool(payload.get("stream"))
-        options = payload.get("stream_options") or {}
-        if options and not stream:
-            # As vLLM refuses it; the router streams from the engine all the same (below).
-            raise HttpError(400, "`stream_options` can only be set when `stream` is true.", "stream_options")
-        client_wants_usage = bool(options.get("include_usage"))
-        client_wants_running_usage = bool(options.get("continuous_usage_stats"))
-        # A client that does not stream gets its answer assembled from the engine's stream (routing/assemble.py):
-        # a long answer is not mistaken for an engine that never started, and one cut short is billed.
-        assemble = not stream and assembles(payload, path)
-        if assemble:
-            payload["stream"] = True
-            client_wants_usage = client_wants_running_usage = True  # the assembler reads every event
-        if payload.get("stream") and dialect is OPENAI:
-            # The engine reports usage in every chunk, so a stream cut short still bills the prompt it read.
-            payload["stream_options"] = {**options, "include_usage": True, "continuous_usage_stats": True}
-        body = dumps(payload)
+        checked = await check(router, scope, receive, dialect, key)
     except HttpError as exc:
         return await respond(
             send,
@@ -96,9 +90,9 @@ async def generate(router: Router, scope: dict, receive: Receive, send: Send, di
         )
     except ClientGone:
         return
-
+    model = checked.deployment.served_model_name
     if not router.finisher.accepting:
-        metrics.of(metrics.errors, deployment.served_model_name, "usage_unrecordable").inc()
+        metrics.of(metrics.errors, model, "usage_unrecordable").inc()
         return await respond(
             send,
             503,
@@ -110,26 +104,11 @@ async def generate(router: Router, scope: dict, receive: Receive, send: Send, di
             JSON_HEADERS + [(b"retry-after", b"5")],
         )
 
-    snapshot = router.snapshot
-    scopes = quota_scopes(snapshot, key)
-    under_quota = any(quota is not None for _, _, quota in scopes)
-    # Priced here only under a quota (for spend budgets); the ledger prices every request when it ingests it.
-    prices = (
-        snapshot.prices_for(deployment.served_model_name, key.tenant_id, datetime.now(UTC))
-        if under_quota
-        else None
-    )
     try:
-        decision = await router.admission.admit(
-            request_id=request_id,
-            scopes=scopes,
-            input_reserve=input_bound,
-            output_reserve=output_bound,
-            spend_reserve=cost_units(prices, input_bound, 0, output_bound),
-        )
+        decision, prices = await admit(router, checked, request_id)
     except RedisError:
         log.exception("admission failed")
-        metrics.of(metrics.errors, deployment.served_model_name, "admission").inc()
+        metrics.of(metrics.errors, model, "admission").inc()
         return await respond(
             send,
             503,
@@ -137,7 +116,7 @@ async def generate(router: Router, scope: dict, receive: Receive, send: Send, di
             JSON_HEADERS + [(b"retry-after", b"1")],
         )
     if not decision.admitted:
-        metrics.of(metrics.requests, deployment.served_model_name, "", "429").inc()
+        metrics.of(metrics.requests, model, "", "429").inc()
         return await respond(
             send,
             429,
@@ -145,48 +124,141 @@ async def generate(router: Router, scope: dict, receive: Receive, send: Send, di
             JSON_HEADERS + encode_headers(decision.headers),
         )
 
-    # Only an admitted request is tokenized (a refused one costs the router no tokenizer time).
     try:
-        ctx = await _context(router, deployment, payload, prompt_ids, path, session)
-    except Exception as exc:
-        # Never lose an admitted request to a fault in prefix scoring: it is routed on load alone.
-        log.exception("prefix scoring failed for request %s", request_id)
-        router.prefix.render_failed(deployment, "error", repr(exc))
-        ctx = RequestContext(model=deployment.served_model_name, session_id=session)
+        ctx = await place(router, checked, scope["path"], request_id)
     except BaseException:
         router.admission.release(decision.reservation)  # its slot lease runs out instead of being renewed
         raise
     request = RequestInfo(
-        scope,
-        dialect,
-        deployment,
-        key,
-        request_id,
-        payload,
-        body,
-        stream,
-        client_wants_usage,
-        client_wants_running_usage,
-        input_bound,
-        started,
-        decision.headers or {},
-        ctx,
-        prices,
-        decision.reservation,
-        priority,
-        output_bound,
-        assemble,
+        scope=scope,
+        dialect=dialect,
+        deployment=checked.deployment,
+        key=checked.key,
+        request_id=request_id,
+        payload=checked.payload,
+        body=checked.body,
+        stream=checked.stream,
+        client_wants_usage=checked.client_wants_usage,
+        running_usage=checked.client_wants_running_usage,
+        input_bound=checked.input_bound,
+        started=started,
+        headers=decision.headers or {},
+        ctx=ctx,
+        prices=prices,
+        reservation=decision.reservation,
+        priority=checked.priority,
+        output_bound=checked.output_bound,
+        assemble=checked.assemble,
     )
+    await serve(router, request, receive, send)
+
+
+async def check(
+    router: Router, scope: dict, receive: Receive, dialect: Dialect, key: KeyInfo | None
+) -> Checked:
+    """Step 1: the key, the body, the deployment and every field the router acts on; HttpError for a refusal."""
+    path = scope["path"]
+    if key is None:
+        key = router.authenticate(scope, dialect)
+    body = await read_body(receive, router.max_body)
+    payload = parse(body)
+    deployment = deployment_for(router.snapshot, payload, key)
+    priority = priority_for(scope, key)
+    session = session_key(scope, payload, key.tenant_id)
+    payload = engine_fields(payload, path, key, body)
+    prompt_ids = token_ids(payload.get("prompt"))  # a prompt of token ids, converted once
+    input_bound, output_bound = validate(
+        payload,
+        deployment,
+        dialect,
+        prompt_ids,
+        path,
+        router.max_messages,
+        router.max_choices,
+        router.prefix,
+    )
+    stream = bool(payload.get("stream"))
+    options = payload.get("stream_options") or {}
+    if options and not stream:
+        # As vLLM refuses it; the router streams from the engine all the same (below).
+        raise HttpError(400, "`stream_options` can only be set when `stream` is true.", "stream_options")
+    client_wants_usage = bool(options.get("include_usage"))
+    client_wants_running_usage = bool(options.get("continuous_usage_stats"))
+    # A client that does not stream gets its answer assembled from the engine's stream (routing/assemble.py):
+    # a long answer is not mistaken for an engine that never started, and one cut short is billed.
+    assemble = not stream and assembles(payload, path)
+    if assemble:
+        payload["stream"] = True
+        client_wants_usage = client_wants_running_usage = True  # the assembler reads every event
+    if payload.get("stream") and dialect is OPENAI:
+        # The engine reports usage in every chunk, so a stream cut short still bills the prompt it read.
+        payload["stream_options"] = {**options, "include_usage": True, "continuous_usage_stats": True}
+    return Checked(
+        key=key,
+        deployment=deployment,
+        payload=payload,
+        body=dumps(payload),
+        prompt_ids=prompt_ids,
+        input_bound=input_bound,
+        output_bound=output_bound,
+        stream=stream,
+        client_wants_usage=client_wants_usage,
+        client_wants_running_usage=client_wants_running_usage,
+        assemble=assemble,
+        priority=priority,
+        session=session,
+    )
+
+
+async def admit(router: Router, checked: Checked, request_id: str) -> tuple[Decision, Prices | None]:
+    """Step 2: the request's bounds reserved against every quota over it, with the prices its spend is counted
+    at (under a quota only: the ledger prices every request when it ingests it). RedisError when Redis fails."""
+    key, deployment = checked.key, checked.deployment
+    scopes = quota_scopes(router.snapshot, key)
+    under_quota = any(quota is not None for _, _, quota in scopes)
+    prices = (
+        router.snapshot.prices_for(deployment.served_model_name, key.tenant_id, datetime.now(UTC))
+        if under_quota
+        else None
+    )
+    decision = await router.admission.admit(
+        request_id=request_id,
+        scopes=scopes,
+        input_reserve=checked.input_bound,
+        output_reserve=checked.output_bound,
+        spend_reserve=cost_units(prices, checked.input_bound, 0, checked.output_bound),
+    )
+    return decision, prices
+
+
+async def place(router: Router, checked: Checked, path: str, request_id: str) -> RequestContext:
+    """Step 3: the prompt's tokens and where they are cached, and its session. Only an admitted request is
+    tokenized (a refused one costs the router no tokenizer time); a fault in scoring routes it on load alone."""
+    deployment = checked.deployment
+    try:
+        return await _context(router, deployment, checked.payload, checked.prompt_ids, path, checked.session)
+    except Exception as exc:
+        # Never lose an admitted request to a fault in prefix scoring: it is routed on load alone.
+        log.exception("prefix scoring failed for request %s", request_id)
+        router.prefix.render_failed(deployment, "error", repr(exc))
+        return RequestContext(model=deployment.served_model_name, session_id=checked.session)
+
+
+async def serve(router: Router, request: RequestInfo, receive: Receive, send: Send) -> None:
+    """Step 4: the refusals that need the prompt's count, else the exchange; the reservation settled once."""
+    deployment, payload, path = request.deployment, request.payload, request.scope["path"]
     exchange = Exchange(router, request, receive, send)
-    too_long = over_context(deployment, payload, ctx, path) or over_logprob_limit(
-        payload, ctx, path, input_bound, settings.ROUTER_MAX_PROMPT_LOGPROB_ENTRIES
+    too_long = over_context(deployment, payload, request.ctx, path) or over_logprob_limit(
+        payload, request.ctx, path, request.input_bound, settings.ROUTER_MAX_PROMPT_LOGPROB_ENTRIES
     )
     try:
         if too_long is not None:
             # Refused before any speculative index entry is written; the reservation is settled to nothing.
             exchange.http_status = 400
             metrics.of(metrics.requests, deployment.served_model_name, "", "400").inc()
-            await respond(send, 400, dialect.error_body(400, too_long.message, too_long.param), JSON_HEADERS)
+            await respond(
+                send, 400, request.dialect.error_body(400, too_long.message, too_long.param), JSON_HEADERS
+            )
         else:
             await exchange.run()
     finally:
