@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import orjson
 
 from . import metrics
-from .dialects import OPENAI
+from .dialects import OPENAI, Usage
 from .load import EndpointLoad
 from .pipeline import Candidate, RequestContext
 from .state import PREFILL_ROLES, DeploymentInfo, EndpointInfo
@@ -109,14 +109,28 @@ def decode_body(payload: dict, kv_transfer_params: dict) -> bytes:
 # --- the legs ---------------------------------------------------------------------------------------------------
 
 
-async def prefill_elsewhere(exchange: Exchange, decode: Candidate, candidates: list[Candidate]) -> bytes:
-    """Run the prefill leg on another engine when the plan says so; the body for the decode engine. Sets the
-    exchange's `prefilled_remotely`, and `pd_done` once a leg was tried (a retry of the decode leg recomputes
-    rather than prefilling twice)."""
-    exchange.prefilled_remotely = False
+@dataclass(frozen=True, slots=True)
+class Prefilled:
+    """What the P/D step gives the decode engine's request: the body to send it, and the prefill engine's usage
+    when another engine computed the prompt (the decode engine pulls its KV). `tried`: a leg ran, whatever came
+    of it (a retry of the decode leg then recomputes rather than prefilling twice)."""
+
+    body: bytes
+    tried: bool = False
+    usage: Usage | None = None
+
+    @property
+    def remotely(self) -> bool:
+        return self.usage is not None
+
+
+async def prefill_elsewhere(
+    exchange: Exchange, decode: Candidate, candidates: list[Candidate], tried: bool
+) -> Prefilled:
+    """Run the prefill leg on another engine when the plan says so. `tried`: a leg already ran for this request."""
     request, router = exchange.request, exchange.router
-    if request.dialect is not OPENAI or request.scope["path"] not in DISAGG_PATHS or exchange.pd_done:
-        return request.body
+    if request.dialect is not OPENAI or request.scope["path"] not in DISAGG_PATHS or tried:
+        return Prefilled(request.body, tried)
 
     def prefill_choice():
         chosen, _ = router.pipeline.choose(request.deployment, request.ctx, router.loads, PREFILL_ROLES)
@@ -127,20 +141,19 @@ async def prefill_elsewhere(exchange: Exchange, decode: Candidate, candidates: l
         plan = plan_peer_pull(request.deployment, request.ctx, decode, candidates)
     metrics.of(metrics.plans, exchange.model, plan.kind).inc()
     if plan.prefill is None:
-        return request.body
-    exchange.pd_done = True
-    params = await prefill_leg(exchange, plan.prefill)
-    if params is None:
+        return Prefilled(request.body)
+    leg = await prefill_leg(exchange, plan.prefill)
+    if leg is None:
         metrics.of(metrics.errors, exchange.model, "prefill_leg").inc()
-        return request.body  # the decode engine prefills itself
-    exchange.prefilled_remotely = True
-    return decode_body(request.payload, params)
+        return Prefilled(request.body, tried=True)  # the decode engine prefills itself
+    params, usage = leg
+    return Prefilled(decode_body(request.payload, params), tried=True, usage=usage)
 
 
-async def prefill_leg(exchange: Exchange, endpoint: EndpointInfo) -> dict | None:
-    """The prefill leg on `endpoint`: its `kv_transfer_params` for the decode engine, or None when it failed
-    (then the decode engine prefills itself). Counts in that engine's load and prefill backlog while it runs, and
-    keeps the leg's usage on the exchange."""
+async def prefill_leg(exchange: Exchange, endpoint: EndpointInfo) -> tuple[dict, Usage] | None:
+    """The prefill leg on `endpoint`: its `kv_transfer_params` for the decode engine and the leg's usage, or None
+    when it failed (then the decode engine prefills itself). Counts in that engine's load and prefill backlog while
+    it runs."""
     request, router = exchange.request, exchange.router
     load = router.loads.setdefault(endpoint.id, EndpointLoad())
     load.begin()
@@ -171,6 +184,4 @@ async def prefill_leg(exchange: Exchange, endpoint: EndpointInfo) -> dict | None
     params = answer.get("kv_transfer_params")
     if not isinstance(params, dict) or not params.get("do_remote_prefill"):
         return None
-    exchange.prefill_usage = OPENAI.usage_from_body(answer)
-    exchange.prefill_endpoint = endpoint.name
-    return params
+    return params, OPENAI.usage_from_body(answer)

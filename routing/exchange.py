@@ -64,7 +64,7 @@ class RequestInfo(NamedTuple):
     headers: dict  # admission's rate-limit headers, for the response
     ctx: RequestContext
     prices: object  # the price sheet spend is counted with, under a spend budget (else None)
-    reservation: object  # admission's, settled by `complete`
+    reservation: object  # admission's, settled by `settle`
     priority: str = "standard"  # its class under flow control (routing/flow.py)
     output_bound: int = 0  # its output tokens at most, as reserved
     assemble: bool = False  # the client did not stream, the engine streams: the answer is assembled here
@@ -83,17 +83,14 @@ class Exchange:
         self.first_byte_at: float | None = None
         # While the chosen engine prefills this prompt: its load, and the tokens added to its prefill backlog.
         self._prefilling: tuple[EndpointLoad, Prefill] | None = None
-        # True once a prefill engine computed the prompt and the decode engine is to pull its KV.
-        self.prefilled_remotely = False
         self.streamed_events = 0
         self.running_output = 0  # the engine's running count of output tokens (OpenAI's continuous usage)
         # With several choices, each one's running count (vLLM counts each choice on its own).
         n = request.payload.get("n")
         self.choice_outputs: dict[int, int] | None = {} if isinstance(n, int) and n > 1 else None
         self.predicted_cached = 0
-        self.pd_done = False
-        self.prefill_usage: Usage | None = None
-        self.prefill_endpoint = ""
+        self.pd_done = False  # a prefill leg ran (routing/disagg.py)
+        self.prefill_usage: Usage | None = None  # the leg's, when a prefill engine computed the prompt
         # Billing a request cut short: whether an engine took the prompt, and its count of the prompt's tokens
         # from the first chunk; before that, the router's count (or `input_bound` when it did not tokenize).
         self.dispatched = False
@@ -101,7 +98,7 @@ class Exchange:
         self.first_token_timeout = request.deployment.first_token_timeout
         self.response_started = False
         self.stall_timeout = request.deployment.stall_timeout
-        self._completed = False
+        self._settled = False
         self.ticket: Ticket | None = None  # its turn under flow control, once let through
         self.queued_s: float | None = None  # how long it waited for that turn
         # A client that did not ask for a stream gets the engine's stream assembled (routing/assemble.py).
@@ -113,19 +110,19 @@ class Exchange:
     def model(self) -> str:
         return self.request.deployment.served_model_name
 
-    async def complete(self) -> None:
+    async def settle(self) -> None:
         """Settle the reservation and meter the request, once, before the client can see the end of the answer,
         so a concurrency slot is free again by the time the client could send its next request. The router also
         calls it (shielded) once the exchange is over, for a request that ended any other way."""
-        if self._completed:
+        if self._settled:
             return
-        self._completed = True
-        self.finalize_usage()
+        self._settled = True
+        self._final_usage()
         request, usage = self.request, self.usage
         spend = cost_units(request.prices, usage.prompt_tokens, usage.cached_tokens, usage.output_tokens)
         router = self.router
         try:
-            await router.finisher.finish(
+            await router.finisher.settle(
                 request.reservation,
                 input_tokens=usage.prompt_tokens,
                 output_tokens=usage.output_tokens,
@@ -159,7 +156,7 @@ class Exchange:
             raise
         finally:
             watcher.cancel()
-            self.finalize_usage()
+            self._final_usage()
             if self.ticket is not None:
                 usage = self.usage
                 work = max(0, usage.prompt_tokens - usage.cached_tokens) + usage.output_tokens
@@ -242,7 +239,10 @@ class Exchange:
             endpoint = candidate.endpoint
             tried.add(endpoint.id)
             self.endpoint_url, self.endpoint_name = endpoint.url, endpoint.name
-            body = await prefill_elsewhere(self, candidate, candidates)
+            prefilled = await prefill_elsewhere(self, candidate, candidates, self.pd_done)
+            self.pd_done = prefilled.tried
+            if prefilled.remotely:
+                self.prefill_usage = prefilled.usage
             load = router.loads.setdefault(endpoint.id, EndpointLoad())
             weight = request_weight(ctx.prompt_tokens_estimate, self.predicted_cached)
             load.begin(weight)
@@ -251,10 +251,10 @@ class Exchange:
             load.assigned(time.monotonic(), RECENT_WINDOW_S, weight)
             # The engine's prefill backlog grows by what it must compute of this prompt (nothing when a prefill
             # engine computed it), until the first token streams back; an answer not streamed holds it to its end.
-            uncached = 0 if self.prefilled_remotely else ctx.prompt_tokens_estimate - self.predicted_cached
+            uncached = 0 if prefilled.remotely else ctx.prompt_tokens_estimate - self.predicted_cached
             self._prefilling = load, load.prefill_began(float(max(0, uncached)), time.monotonic())
             try:
-                failure = await self._try(endpoint.url, body)
+                failure = await self._try(endpoint.url, prefilled.body)
                 if failure is None:
                     return
                 failures.append(failure)
@@ -357,7 +357,7 @@ class Exchange:
                 # the engine took it, so it is billed its prompt, and not tried again elsewhere.
                 metrics.of(metrics.errors, self.model, "whole_answer_timeout").inc()
                 self.http_status = 504
-                await self.complete()
+                await self.settle()
                 message = (
                     f"The model `{self.model}` did not finish this answer, which cannot be streamed, within "
                     f"{self._headers_timeout(True):g} s. Ask for fewer tokens or fewer prompt logprobs."
@@ -402,7 +402,7 @@ class Exchange:
             self.usage = dialect.usage_from_tail(tail)
             self.status = "failed"
             self.http_status = 502
-            await self.complete()
+            await self.settle()
             message = (
                 f"The answer is over {self.max_answer_bytes} bytes, more than this gateway relays. Ask for fewer "
                 "logprobs or fewer tokens, or stream it."
@@ -414,13 +414,13 @@ class Exchange:
             self.dispatched = False
             self.http_status = 502
             metrics.of(metrics.errors, self.model, "upstream_not_json").inc()
-            await self.complete()
+            await self.settle()
             message = f"The model `{self.model}`'s engine gave an answer that is not JSON. Retry shortly."
             error = self.request.dialect.error_body(502, message)
             return await respond(self.send, 502, error, self._error_headers())
         self.usage = dialect.usage_from_tail(body)
         self.status = "completed"
-        await self.complete()
+        await self.settle()
         await respond(self.send, resp.status, body, self._response_headers(resp))
 
     async def _read_answer(self, resp: Response) -> tuple[bytes | None, bytes]:
@@ -453,7 +453,7 @@ class Exchange:
         if answer.route_missing:
             return "route_missing"
         self._first_byte()
-        await self.complete()
+        await self.settle()
         await respond(self.send, answer.status, answer.body, self._error_headers())
         return None
 
@@ -539,7 +539,7 @@ class Exchange:
                             await self._send_events(resp, b"".join(out))
                             out = []
                         self.status = "completed"
-                        await self.complete()
+                        await self.settle()
                     out.append(event + b"\n\n")
                 if out:
                     await self._send_events(resp, b"".join(out))
@@ -576,7 +576,7 @@ class Exchange:
         if rest.strip():
             await self._send_events(resp, rest)
         self.status = "completed"
-        await self.complete()
+        await self.settle()
         await self._start_response(resp)
         await self.send({"type": "http.response.body", "body": b"", "more_body": False})
 
@@ -587,7 +587,7 @@ class Exchange:
         self.usage.output_tokens = max(self.usage.output_tokens, self.streamed_events)
         self.status = "failed"
         self.http_status = 502
-        await self.complete()
+        await self.settle()
         await self._start_response(resp)
         message += ". The tokens received so far are billed; retry to get a full answer."
         body = self.request.dialect.stream_error_event(502, message)
@@ -606,7 +606,7 @@ class Exchange:
                 exc.status, f"The engine failed in the middle of the answer: {exc}"
             )
         self.http_status = 200
-        await self.complete()
+        await self.settle()
         headers = [
             (b"content-type", b"application/json"),
             (b"x-request-id", self.request.request_id.encode()),
@@ -615,12 +615,12 @@ class Exchange:
 
     async def _assembly_failed(self, status: int, message: str) -> None:
         """An answer being assembled failed midway: the client gets an error in its dialect, and the work the
-        engine did is billed (its running counts, routing/exchange.finalize_usage)."""
+        engine did is billed (its running counts, routing/exchange._final_usage)."""
         metrics.of(metrics.errors, self.model, "midstream").inc()
         self.status = "failed"
         self.http_status = 502 if status >= 500 else status
         self.usage.output_tokens = max(self.usage.output_tokens, self.streamed_events)
-        await self.complete()
+        await self.settle()
         body = self.request.dialect.error_body(
             self.http_status, f"{message}. The tokens computed so far are billed; retry to get a full answer."
         )
@@ -666,7 +666,7 @@ class Exchange:
             headers.append((b"cache-control", b"no-cache"))
         return headers + encode_headers(self.request.headers)
 
-    def finalize_usage(self) -> None:
+    def _final_usage(self) -> None:
         """The usage to bill, once the answer is over or has failed. Safe to call more than once.
 
         The engine's final usage when it sent one. A request cut short (the client went away, the engine died or

@@ -107,7 +107,7 @@ class Finisher:
             await self._quietly("replay the usage journal before stopping", self.replay())
         self.journal.close()
 
-    async def finish(
+    async def settle(
         self,
         reservation: Reservation | None,
         *,

@@ -262,7 +262,7 @@ async def serve(router: Router, request: RequestInfo, receive: Receive, send: Se
         else:
             await exchange.run()
     finally:
-        await asyncio.shield(exchange.complete())
+        await asyncio.shield(exchange.settle())
 
 
 async def _context(

@@ -267,10 +267,10 @@ def test_the_router_refuses_new_work_when_neither_redis_nor_the_journal_takes_us
         room = len(journal_line(event("r1").encode(), None)) + 10  # one line fits, not two
         finisher = Finisher(down, Admission(down), Journal(tmp_path / "j", max_bytes=room))
         try:
-            await finisher.finish(None, input_tokens=10, output_tokens=5, spend=0, event=event("r1"))
+            await finisher.settle(None, input_tokens=10, output_tokens=5, spend=0, event=event("r1"))
             assert finisher.redis_down and finisher.accepting  # journaled: still serving
             with pytest.raises(Exception, match="journal is full"):
-                await finisher.finish(None, input_tokens=10, output_tokens=5, spend=0, event=event("r2"))
+                await finisher.settle(None, input_tokens=10, output_tokens=5, spend=0, event=event("r2"))
             assert not finisher.accepting
             # Redis is back: the journal is replayed, and work is accepted again.
             finisher.redis = redis.asyncio.Redis.from_url(own_redis.url)
@@ -317,7 +317,7 @@ def test_a_replayed_settlement_is_applied_once(own_redis, tmp_path):
         try:
             decision = await admit(admission, "req-once", quota)
             budget = decision.reservation.keys[4]
-            await finisher.finish(
+            await finisher.settle(
                 decision.reservation, input_tokens=10, output_tokens=20, spend=0, event=event("x")
             )
             settled = int(await client.get(budget))
@@ -360,7 +360,7 @@ def test_settlements_go_by_sha_and_a_redis_that_lost_the_script_settles_each_req
 
         async def served(request_id: str):
             reservation = (await admit(admission, request_id, quota)).reservation
-            await finisher.finish(
+            await finisher.settle(
                 reservation, input_tokens=10, output_tokens=20, spend=0, event=event(request_id)
             )
             return reservation
@@ -410,7 +410,7 @@ def test_a_slot_whose_settlement_failed_comes_back_within_a_lease(own_redis, tmp
             # A request running longer than its lease keeps its slot: the lease is renewed.
             await asyncio.sleep(2.0)
             assert not await admitted("second")
-            await finisher.finish(
+            await finisher.settle(
                 first.reservation, input_tokens=1, output_tokens=1, spend=0, event=event("first")
             )
             assert finisher.redis_down and "first" not in admission.held
