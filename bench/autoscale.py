@@ -338,7 +338,7 @@ def one_run(
     key, deployment_id = make_deployment(name, pools, policies)
     log(f"{name}: starting engines")
     wait_ready(deployment_id)
-    router, port = start_router(procs, env, name)
+    router, port = h.start_router(procs, f"autoscale-router-{name}", env)
     control = Control(deployment_id, run)
     if not autoscale:
         from serving.models import AutoscalingPolicy
@@ -361,17 +361,6 @@ def one_run(
     stop_deployment(deployment_id)
     procs.stop(router)
     return run
-
-
-def start_router(procs: h.Processes, env: dict, tag: str):
-    port = h.free_port()
-    argv = [PYTHON, "-m", "uvicorn", "inference_platform.asgi:application", "--host", "127.0.0.1"]
-    argv += ["--port", str(port), "--loop", "uvloop", "--http", h.ROUTER_HTTP, "--no-access-log"]
-    argv += ["--workers", "1", "--log-level", "warning"]
-    extra = {"ROUTER_CONFIG_POLL_SECONDS": "0.5"}
-    proc = procs.start(f"autoscale-router-{tag}", argv, core=None, env={**env, **extra})
-    h.wait_until(lambda: h.http_get(port, "/health") == 200, proc, f"autoscale-router-{tag}", 120)
-    return proc, port
 
 
 def p90(values: list[float]) -> float | None:

@@ -15,9 +15,10 @@ Scenarios, each on freshly started engines and a freshly started router:
 
 Every request is an open-loop streamed /v1/completions (prompt as token ids); TTFT and the inter-token latency are
 taken from the arrival times of the streamed chunks at the client. Setup (database, key, deployment, KV-event
-ingester, /metrics scraper, router) reuses bench/prefix_routing.py. It uses the database `bench_disagg` (dropped
-and re-created) and Redis database 13 (flushed) on DATABASE_URL / REDIS_URL (defaults: the local PostgreSQL and
-Redis). Every process started here runs in its own session and is stopped at the end, on error and on Ctrl-C.
+ingester, router) reuses bench/prefix_routing.py, the /metrics scraper bench/harness.py. It uses the database
+`bench_disagg` (dropped and re-created) and Redis database 13 (flushed) on DATABASE_URL / REDIS_URL (defaults: the
+local PostgreSQL and Redis). Every process started here runs in its own session and is stopped at the end, on error
+and on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -64,28 +65,14 @@ class Engine(rb.Engine):
     """bench/prefix_routing.py's simulated engine, with a role, a KV capacity and extra flags."""
 
     def __init__(self, index: int, role: str, blocks: int, extra: list[str], nixl_role: str | None):
-        super().__init__(index)
+        super().__init__(index, blocks)
         self.role = role
-        self.blocks = blocks
         self.extra = extra
         self.nixl_role = nixl_role
         self.name = f"{MODEL}-{role}-{index}"
 
     def start(self, procs: h.Processes) -> None:
-        events = {
-            "enable_kv_cache_events": True,
-            "publisher": "zmq",
-            "endpoint": f"tcp://*:{self.kv_port}",
-            "replay_endpoint": f"tcp://*:{self.replay_port}",
-            "topic": "kv-events",
-        }
-        argv = [PYTHON, "-m", "serving.simulator", "--model", str(ROOT / "models" / MODEL)]
-        argv += ["--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(self.port)]
-        argv += ["--block-size", str(BLOCK), "--num-gpu-blocks-override", str(self.blocks)]
-        argv += ["--max-model-len", str(rb.MAX_MODEL_LEN), "--enable-prompt-tokens-details"]
-        argv += ["--kv-events-config", json.dumps(events)]
-        for flag, value in SIM_TIMING.items():
-            argv += [flag, value]
+        argv = self.argv(SIM_TIMING)
         env = {"PYTHONHASHSEED": "0"}
         if self.nixl_role:
             transfer = {"kv_connector": "NixlConnector", "kv_role": self.nixl_role, "kv_buffer_device": "cpu"}
@@ -118,15 +105,7 @@ def create_objects(engines: list[Engine], scenario: str) -> tuple[str, int]:
     ModelDeployment.objects.all().delete()
     tenant, _ = Tenant.objects.get_or_create(slug="bench", defaults={"name": "Bench"})
     team, _ = Team.objects.get_or_create(tenant=tenant, slug="agents", defaults={"name": "Agents"})
-    deployment = ModelDeployment.objects.create(
-        name=MODEL,
-        served_model_name=MODEL,
-        model_source=str(ROOT / "models" / MODEL),
-        engine_kind="sim",
-        orchestrator="kubernetes",  # nothing reconciles it: the endpoints below are all there is
-        max_model_len=rb.MAX_MODEL_LEN,
-        block_size=BLOCK,
-    )
+    deployment = h.sim_deployment(max_model_len=rb.MAX_MODEL_LEN, block_size=BLOCK)
     pools = {}
     for role in dict.fromkeys(e.role for e in engines):
         members = [e for e in engines if e.role == role]
@@ -278,9 +257,7 @@ def main(argv: list[str]) -> int:
         import django
 
         django.setup()
-        scraper = rb.Scraper()
-        scraper.start()
-        procs.before_stop(scraper.stop.set)
+        h.scrape_loads(procs)
 
         sessions, duration = (6, 10.0) if args.quick else (20, 30.0)
         reqs, info = wl.agentic(sessions, duration, MAX_OUTPUT)

@@ -451,19 +451,11 @@ def create_objects(engines: list[Engine]) -> tuple[int, dict[str, str], dict[int
     """The deployment over the engines, a tenant per role with its weight; (deployment id, key per tenant,
     tenant per tenant id)."""
     from routing.models import RoutingPolicy
-    from serving.models import Endpoint, Health, ModelDeployment, Pool
+    from serving.models import Endpoint, Health, Pool
     from tenants.keys import api_key_create
     from tenants.models import Scope, Team, Tenant
 
-    deployment = ModelDeployment.objects.create(
-        name=MODEL,
-        served_model_name=MODEL,
-        model_source=str(ROOT / "models" / MODEL),
-        engine_kind="sim",
-        orchestrator="kubernetes",  # nothing reconciles it: the endpoints below are all there is
-        max_model_len=32768,
-        block_size=BLOCK,
-    )
+    deployment = h.sim_deployment(max_model_len=32768, block_size=BLOCK)
     pool = Pool.objects.create(
         deployment=deployment, name="main", replicas=len(engines), max_num_seqs=engines[0].slots
     )
@@ -487,38 +479,6 @@ def set_policy(deployment_id: int, **fields) -> None:
 
     RoutingPolicy.objects.filter(deployment_id=deployment_id).update(**fields)
     bump_config_version()
-
-
-def start_router(procs: h.Processes, env: dict, tag: str):
-    port = h.free_port()
-    argv = [PYTHON, "-m", "uvicorn", "inference_platform.asgi:application", "--host", "127.0.0.1"]
-    argv += ["--port", str(port), "--loop", "uvloop", "--http", h.ROUTER_HTTP, "--no-access-log"]
-    argv += ["--workers", "1", "--log-level", "warning"]
-    extra = {"ROUTER_CONFIG_POLL_SECONDS": "0.5", "ROUTER_DECISION_LOG_SAMPLE": "0"}
-    proc = procs.start(f"fair-share-router-{tag}", argv, core=None, env={**env, **extra})
-    h.wait_until(lambda: h.http_get(port, "/health") == 200, proc, f"fair-share-router-{tag}", 120)
-    return proc, port
-
-
-class Scraper(threading.Thread):
-    """The engines' /metrics into Redis every second (Celery beat's job in production): KV-cache use."""
-
-    def __init__(self):
-        super().__init__(daemon=True)
-        self.stop = threading.Event()
-
-    def run(self) -> None:
-        from django.db import close_old_connections
-
-        from routing.load_scraper import endpoint_loads_scrape
-
-        while not self.stop.wait(1.0):
-            try:
-                endpoint_loads_scrape()
-            except Exception as exc:  # noqa: BLE001 - a missed scrape is not fatal
-                log(f"scrape failed: {exc}")
-            finally:
-                close_old_connections()
 
 
 def read_usage(redis_client, after: str, tenant_ids: dict[int, str], began_wall: float) -> list[Usage]:
@@ -691,7 +651,11 @@ def run_case(
     seed: int,
 ) -> Outcome:
     set_policy(deployment_id, flow_control=case.flow_control)
-    routers = [start_router(procs, env, f"{case.name}-{i}") for i in range(case.routers)]
+    no_decision_log = {"ROUTER_DECISION_LOG_SAMPLE": "0"}
+    routers = [
+        h.start_router(procs, f"fair-share-router-{case.name}-{i}", env, no_decision_log)
+        for i in range(case.routers)
+    ]
     last = redis_client.xrevrange(_stream(), count=1)
     after = last[0][0].decode() if last else "0"
     log(f"{case.label}: {warmup + measure:.0f} s")
@@ -817,25 +781,21 @@ def main(argv: list[str]) -> int:
             set_policy(deployment_id, saturation_prefill_tokens_per_engine=args.prefill_threshold)
         if args.spare_slots is not None:
             set_policy(deployment_id, saturation_spare_slots_per_engine=args.spare_slots)
-        scraper = Scraper()
-        scraper.start()
-        try:
-            for seed, case in enumerate(cases):
-                outcomes[case.name] = run_case(
-                    procs,
-                    env,
-                    case,
-                    engines,
-                    deployment_id,
-                    keys,
-                    tenant_ids,
-                    redis_client,
-                    warmup,
-                    measure,
-                    seed,
-                )
-        finally:
-            scraper.stop.set()
+        h.scrape_loads(procs)
+        for seed, case in enumerate(cases):
+            outcomes[case.name] = run_case(
+                procs,
+                env,
+                case,
+                engines,
+                deployment_id,
+                keys,
+                tenant_ids,
+                redis_client,
+                warmup,
+                measure,
+                seed,
+            )
     text = report(
         outcomes,
         argv,

@@ -232,6 +232,60 @@ def wait_until(check, proc: subprocess.Popen, name: str, timeout: float) -> None
     raise TimeoutError(f"{name} not ready after {timeout:.0f} s ({last_error}):\n{log_tail(name)}")
 
 
+# --- the platform's processes ---------------------------------------------------------------------------
+
+
+def start_router(procs: Processes, name: str, env: dict, extra: dict | None = None, cwd: Path = ROOT):
+    """The platform's router as production serves it (one uvicorn worker, uvloop, its HTTP protocol, no access
+    log), reading a configuration change within half a second, `extra` added to its environment; returns the
+    process and its port once /health answers."""
+    port = free_port()
+    argv = [PYTHON, "-m", "uvicorn", "inference_platform.asgi:application", "--host", "127.0.0.1"]
+    argv += ["--port", str(port), "--loop", "uvloop", "--http", ROUTER_HTTP, "--no-access-log"]
+    argv += ["--workers", "1", "--log-level", "warning"]
+    env = {**env, "ROUTER_CONFIG_POLL_SECONDS": "0.5", **(extra or {})}
+    proc = procs.start(name, argv, core=None, env=env, cwd=cwd)
+    wait_until(lambda: http_get(port, "/health") == 200, proc, name, 120)
+    return proc, port
+
+
+def sim_deployment(**fields):
+    """A deployment of the simulated model that nothing reconciles (orchestrator `kubernetes`, no cluster): the
+    Endpoint rows a benchmark adds are all there is. Django must be set up."""
+    from serving.models import ModelDeployment
+
+    return ModelDeployment.objects.create(
+        name=MODEL,
+        served_model_name=MODEL,
+        model_source=str(ROOT / "models" / MODEL),
+        engine_kind="sim",
+        orchestrator="kubernetes",
+        **fields,
+    )
+
+
+def scrape_loads(procs: Processes) -> None:
+    """Scrape the engines' /metrics into Redis every second from a thread of this process, as Celery beat does in
+    production, until `procs` stops. Django must be set up."""
+    stop = threading.Event()
+
+    def scrape() -> None:
+        from django.db import close_old_connections
+
+        from routing.load_scraper import endpoint_loads_scrape
+
+        while not stop.wait(1.0):
+            try:
+                endpoint_loads_scrape()
+            except Exception as exc:  # noqa: BLE001 - a missed scrape is not fatal
+                log(f"scrape failed: {exc}")
+            finally:
+                close_old_connections()
+
+    threading.Thread(target=scrape, name="load-scraper", daemon=True).start()
+    procs.before_stop(stop.set)
+
+
 # --- installing peers -----------------------------------------------------------------------------------
 
 

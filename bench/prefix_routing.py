@@ -38,7 +38,6 @@ import itertools
 import json
 import os
 import statistics
-import threading
 import time
 from pathlib import Path
 
@@ -88,7 +87,8 @@ class Engine:
         self.name = f"{MODEL}-main-{index}"
         self.proc = None
 
-    def start(self, procs: h.Processes) -> None:
+    def argv(self, timing: dict[str, str] = SIM_TIMING) -> list[str]:
+        """The simulator's command line: KV events published, BLOCK-token blocks, MAX_MODEL_LEN, `timing`."""
         events = {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
@@ -101,9 +101,12 @@ class Engine:
         argv += ["--block-size", str(BLOCK), "--num-gpu-blocks-override", str(self.kv_blocks)]
         argv += ["--max-model-len", str(MAX_MODEL_LEN), "--enable-prompt-tokens-details"]
         argv += ["--kv-events-config", json.dumps(events)]
-        for flag, value in SIM_TIMING.items():
+        for flag, value in timing.items():
             argv += [flag, value]
-        argv += TOOL_FLAGS
+        return argv
+
+    def start(self, procs: h.Processes) -> None:
+        argv = self.argv() + TOOL_FLAGS
         self.proc = procs.start(f"routing-engine-{self.index}", argv, core=None, env={"PYTHONHASHSEED": "0"})
 
     def wait(self) -> None:
@@ -142,7 +145,7 @@ def create_objects(env: dict, engines: list[Engine], team_quota: bool = False) -
 
     django.setup()
     from routing.models import RoutingPolicy
-    from serving.models import Endpoint, Health, ModelDeployment, Pool
+    from serving.models import Endpoint, Health, Pool
     from tenants.keys import api_key_create
     from tenants.models import Quota, Scope, Team, Tenant
 
@@ -151,15 +154,7 @@ def create_objects(env: dict, engines: list[Engine], team_quota: bool = False) -
     if team_quota:
         # Limits no run reaches: every request pays the quota check's round trip, none is refused.
         Quota.objects.create(team=team, requests_per_minute=1_000_000, max_concurrent_requests=100_000)
-    deployment = ModelDeployment.objects.create(
-        name=MODEL,
-        served_model_name=MODEL,
-        model_source=str(ROOT / "models" / MODEL),
-        engine_kind="sim",
-        orchestrator="kubernetes",  # nothing reconciles it: the endpoints below are all there is
-        max_model_len=MAX_MODEL_LEN,
-        block_size=BLOCK,
-    )
+    deployment = h.sim_deployment(max_model_len=MAX_MODEL_LEN, block_size=BLOCK)
     pool = Pool.objects.create(deployment=deployment, name="main", replicas=len(engines))
     for engine in engines:
         Endpoint.objects.create(
@@ -183,27 +178,6 @@ def set_mode(deployment_id: int, mode: str, overrides: dict) -> None:
     bump_config_version()
 
 
-class Scraper(threading.Thread):
-    """The engines' /metrics into Redis every second (Celery beat's job in production)."""
-
-    def __init__(self):
-        super().__init__(daemon=True)
-        self.stop = threading.Event()
-
-    def run(self) -> None:
-        from django.db import close_old_connections
-
-        from routing.load_scraper import endpoint_loads_scrape
-
-        while not self.stop.wait(1.0):
-            try:
-                endpoint_loads_scrape()
-            except Exception as exc:  # noqa: BLE001 - a missed scrape is not fatal
-                log(f"scrape failed: {exc}")
-            finally:
-                close_old_connections()
-
-
 def start_router(
     procs: h.Processes,
     env: dict,
@@ -212,18 +186,11 @@ def start_router(
     decision_log: bool = False,
     kv_blocks: int = KV_BLOCKS,
 ):
-    port = h.free_port()
-    argv = [PYTHON, "-m", "uvicorn", "inference_platform.asgi:application", "--host", "127.0.0.1"]
-    argv += ["--port", str(port), "--loop", "uvloop", "--http", h.ROUTER_HTTP, "--no-access-log"]
-    argv += ["--workers", "1", "--log-level", "warning"]
     extra = {
-        "ROUTER_CONFIG_POLL_SECONDS": "0.5",
         "ROUTER_APPROX_BLOCKS_PER_ENDPOINT": str(kv_blocks),
         "ROUTER_DECISION_LOG_SAMPLE": "1" if decision_log else "0",
     }
-    proc = procs.start(f"routing-router-{tag}", argv, core=None, env={**env, **extra}, cwd=root)
-    h.wait_until(lambda: h.http_get(port, "/health") == 200, proc, f"routing-router-{tag}", 120)
-    return proc, port
+    return h.start_router(procs, f"routing-router-{tag}", env, extra, cwd=root)
 
 
 def start_vllm_router(procs: h.Processes, venv: Path, engines: list[Engine], tag: str):
@@ -554,9 +521,7 @@ def main(argv: list[str]) -> int:
         ingester = procs.start(
             "routing-kv-ingester", [PYTHON, "manage.py", "run_kv_ingester"], core=None, env=env
         )
-        scraper = Scraper()
-        scraper.start()
-        procs.before_stop(scraper.stop.set)
+        h.scrape_loads(procs)
         log(f"{ENGINES} engines up ({kv_blocks} blocks of {BLOCK} tokens each), ingester pid {ingester.pid}")
 
         loads = workloads(args.quick, args.workloads)

@@ -65,6 +65,7 @@ from bench.harness import (
     platform_env,
     quiesce,
     run,
+    sim_deployment,
     tree_cpu,
     under_devstack,
     wait_until,
@@ -129,21 +130,14 @@ def create_objects(env: dict, upstream_url: str) -> dict[str, str]:
 
     from django.utils import timezone
 
-    from serving.models import Endpoint, Health, ModelDeployment, Pool
+    from serving.models import Endpoint, Health, Pool
     from tenants.keys import api_key_create
     from tenants.models import PriceSheet, Quota, Scope, Team, Tenant
 
     tenant = Tenant.objects.create(name="Bench", slug="bench")
     free = Team.objects.create(tenant=tenant, name="No quota", slug="no-quota")
     limited = Team.objects.create(tenant=tenant, name="Quota", slug="quota")
-    deployment = ModelDeployment.objects.create(
-        name=MODEL,
-        served_model_name=MODEL,
-        model_source=str(ROOT / "models" / MODEL),
-        engine_kind="sim",
-        orchestrator="kubernetes",  # nothing reconciles it: the endpoint below is all there is
-        max_model_len=8192,
-    )
+    deployment = sim_deployment(max_model_len=8192)
     pool = Pool.objects.create(deployment=deployment, name="main", replicas=1)
     Endpoint.objects.create(
         pool=pool, name=f"{MODEL}-0", url=upstream_url, role="both", health=Health.HEALTHY

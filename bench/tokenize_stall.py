@@ -40,6 +40,7 @@ from bench.harness import (
     migrate,
     platform_env,
     run,
+    sim_deployment,
     under_devstack,
     wait_until,
 )
@@ -132,18 +133,13 @@ def create_objects(env: dict, engine_url: str) -> str:
 
     django.setup()
     from routing.models import RoutingPolicy
-    from serving.models import Endpoint, Health, ModelDeployment, Pool
+    from serving.models import Endpoint, Health, Pool
     from tenants.keys import api_key_create
     from tenants.models import Scope, Team, Tenant
 
     tenant = Tenant.objects.create(name="Bench", slug="bench")
     team = Team.objects.create(tenant=tenant, name="Stall", slug="stall")
-    deployment = ModelDeployment.objects.create(
-        name=MODEL,
-        served_model_name=MODEL,
-        model_source=str(ROOT / "models" / MODEL),
-        engine_kind="sim",
-        orchestrator="kubernetes",  # nothing reconciles it: the endpoint below is all there is
+    deployment = sim_deployment(
         # Shorter than the prompts measured: the router refuses a generation request (400) once it has tokenized
         # it, so the simulated engine, which serves the stream too, never tokenizes it (its own stall is not ours).
         max_model_len=200_000,

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from django.db import transaction
 from rest_framework import permissions, viewsets
 
 from tenants.access import Access
-from tenants.audit import audit_record, changes, snapshot
+from tenants.audit import audited, snapshot
 
 
 def access_of(request) -> Access:
@@ -62,31 +61,26 @@ class AuditedModelViewSet(viewsets.ModelViewSet):
     def get_serializer_context(self):
         return {**super().get_serializer_context(), "access": self.access}
 
-    def _audit(self, action: str, instance, details: dict) -> None:
-        audit_record(
+    def _audited(self, instance=None, *, delete: bool = False):
+        return audited(
+            self.audit_name,
+            instance,
             actor=self.request.user,
-            action=f"{self.audit_name}.{action}",
-            instance=instance,
             source="api",
-            details=details,
+            snapshot_of=self.audit_snapshot,
+            delete=delete,
         )
 
     def perform_create(self, serializer) -> None:
-        with transaction.atomic():
-            instance = serializer.save()
-            self._audit("create", instance, {"after": self.audit_snapshot(instance)})
+        with self._audited() as change:
+            change.instance = serializer.save()
 
     def perform_update(self, serializer) -> None:
-        with transaction.atomic():
-            before = self.audit_snapshot(serializer.instance)
-            instance = serializer.save()
-            diff = changes(before, self.audit_snapshot(instance))
-            if diff:
-                self._audit("update", instance, {"changes": diff})
+        with self._audited(serializer.instance) as change:
+            change.instance = serializer.save()
 
     def perform_destroy(self, instance) -> None:
-        with transaction.atomic():
-            self._audit("delete", instance, {"before": self.audit_snapshot(instance)})
+        with self._audited(instance, delete=True):
             instance.delete()
 
     def audit_snapshot(self, instance) -> dict:

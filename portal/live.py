@@ -5,15 +5,13 @@ committed, so every recent request is in one or the other (or both, counted once
 
 Flow control (routing/flow.py) per deployment, by priority class and tenant: the requests waiting in the
 routers now (each router replica publishes its queue in the hash `flow:queue:<deployment id>`, a field per
-replica: {"at": unix seconds, "saturated": bool, "queued": [[class, tenant id, count], ...]}; a replica's entry
-older than QUEUE_MAX_AGE_S is gone stale and left out), and from the window's usage events the dispatches (the
-requests not rejected) and the wait in the queue (`queued_ms`, of every request that has one: a rejected request
-waited its class's whole limit).
+replica; a replica's entry gone stale is left out, routing/replica_share.py), and from the window's usage events
+the dispatches (the requests not rejected) and the wait in the queue (`queued_ms`, of every request that has one:
+a rejected request waited its class's whole limit).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections import defaultdict
@@ -21,8 +19,8 @@ from datetime import UTC, datetime, timedelta
 
 import redis
 
-from routing.flow import QUEUE_KEY
-from routing.flow import SHARE_MAX_AGE_S as QUEUE_MAX_AGE_S
+from routing.flow import QUEUE_KEY, read_queue
+from routing.replica_share import others_fields
 from serving.models import ModelDeployment
 from tenants.models import PRIORITY_RANK, Tenant, UsageRecord, UsageStatus
 from tenants.usage_stream import FIELD, MalformedEvent, UsageEvent, stream_key, usage_redis
@@ -75,20 +73,18 @@ def queued_now(deployment_ids, *, wall: float | None = None) -> dict[int, dict]:
         return {}
     out: dict[int, dict] = {}
     for deployment_id, replicas in zip(ids, replies, strict=True):
+        # A replica's entry this page cannot read does not hide the others'.
+        fresh, _ = others_fields(replicas, "", wall, read_queue)
+        if not fresh:
+            continue
         queued: dict[tuple[str, int], int] = defaultdict(int)
-        saturated = None
-        for raw in replicas.values():
-            try:
-                data = json.loads(raw)
-                if wall - float(data["at"]) > QUEUE_MAX_AGE_S:
-                    continue
-                saturated = bool(saturated) or bool(data.get("saturated"))
-                for priority, tenant_id, count in data["queued"]:
-                    queued[(str(priority), int(tenant_id))] += int(count)
-            except (ValueError, KeyError, TypeError):
-                continue  # a replica's entry this page cannot read does not hide the others'
-        if saturated is not None:
-            out[deployment_id] = {"saturated": saturated, "queued": dict(queued)}
+        for _, (_, waiting) in fresh:
+            for group, count in waiting.items():
+                queued[group] += count
+        out[deployment_id] = {
+            "saturated": any(saturated for _, (saturated, _) in fresh),
+            "queued": dict(queued),
+        }
     return out
 
 

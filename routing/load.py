@@ -11,6 +11,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from . import replica_share
 from .state import EndpointInfo
 
 RECENT_WINDOW_S = 5.0
@@ -18,9 +19,8 @@ RECENT_WINDOW_S = 5.0
 RATE_SAMPLE_TOKENS = 2048
 SERVED_WINDOW_S = 30.0
 
+# A hash per endpoint, a field per replica: "<own load> <in flight> <unix time> <prefill backlog>".
 REPLICA_LOAD_KEY = "endpoint:replica-load:{}"
-REPLICA_LOAD_TTL_S = 10
-REPLICA_LOAD_MAX_AGE_S = 3.0
 
 
 @dataclass(eq=False, slots=True)
@@ -134,29 +134,25 @@ class OthersLoad(NamedTuple):
     load: float  # their weighted load (EndpointLoad.own) there
     active: int  # their requests in flight there
     prefill: float  # their prefill backlog there, in uncached prompt tokens
-    # Fields to delete: older than REPLICA_LOAD_MAX_AGE_S (a replica that died) or unreadable.
+    # Fields to delete: older than replica_share.MAX_AGE_S (a replica that died) or unreadable.
     stale: list[bytes]
 
 
+def _read_load(raw: bytes) -> tuple[float, tuple[float, int, float]]:
+    weighted, in_flight, at, backlog = raw.split()
+    return float(at), (float(weighted), int(in_flight), float(backlog))
+
+
 def others_load(published: dict, replica_id: str, now: float) -> OthersLoad:
-    """What the other replicas have at an endpoint, from their fields in its hash
-    (`"<load> <in flight> <unix time> <prefill backlog>"`)."""
-    load, active, prefill, stale = 0.0, 0, 0.0, []
-    mine = replica_id.encode()
-    for field_name, value in published.items():
-        if field_name == mine:
-            continue
-        try:
-            weighted, in_flight, at, backlog = value.split()
-            if now - float(at) <= REPLICA_LOAD_MAX_AGE_S:
-                load += float(weighted)
-                active += int(in_flight)
-                prefill += float(backlog)
-                continue
-        except ValueError:
-            pass
-        stale.append(field_name)
-    return OthersLoad(load, active, prefill, stale)
+    """What the other replicas have at an endpoint, from their fields in its hash (REPLICA_LOAD_KEY)."""
+    fresh, stale = replica_share.others_fields(published, replica_id, now, _read_load)
+    loads = [value for _, value in fresh]
+    return OthersLoad(
+        sum((load for load, _, _ in loads), 0.0),
+        sum(active for _, active, _ in loads),
+        sum((prefill for _, _, prefill in loads), 0.0),
+        stale,
+    )
 
 
 async def trade_loads(
@@ -188,7 +184,7 @@ async def trade_loads(
                 )
             else:
                 pipe.hdel(key, replica_id)
-            pipe.expire(key, REPLICA_LOAD_TTL_S)
+            pipe.expire(key, replica_share.TTL_S)
             pipe.hgetall(key)
         for key, fields in stale.items():
             pipe.hdel(key, *fields)

@@ -1,7 +1,6 @@
 from django.contrib import admin
 
-from tenants.admin_audit import AuditedAdmin
-from tenants.audit import snapshot
+from tenants.admin_audit import AuditedAdmin, ReadOnlyAdmin
 
 from . import services
 from .models import AutoscalingPolicy, Endpoint, EndpointLifetime, ModelDeployment, Pool, ScalingEvent
@@ -146,8 +145,7 @@ class ModelDeploymentAdmin(AuditedAdmin):
         )
 
     def audit_snapshot(self, obj) -> dict:
-        data = snapshot(obj)
-        data["pools"] = {pool.name: snapshot(pool) for pool in obj.pools.order_by("name")}
+        data = services.deployment_snapshot(obj)
         data["tenants"] = sorted(obj.tenants.values_list("pk", flat=True))
         return data
 
@@ -171,28 +169,15 @@ class ModelDeploymentAdmin(AuditedAdmin):
         super().delete_model(request, obj)
         services.deployment_deleted()
 
-    def delete_queryset(self, request, queryset):
-        super().delete_queryset(request, queryset)
-        services.deployment_deleted()
-
 
 @admin.register(Endpoint)
-class EndpointAdmin(admin.ModelAdmin):
+class EndpointAdmin(ReadOnlyAdmin):
     """Endpoints are what the orchestrators found running; they are read here, not edited."""
 
     list_display = ["name", "url", "role", "pool", "health", "last_seen_at", "pid", "restart_count"]
     list_filter = ["health", "role", "pool__deployment"]
     search_fields = ["name", "url"]
     list_select_related = ["pool__deployment"]
-
-    def has_add_permission(self, request):
-        return False
-
-    def has_change_permission(self, request, obj=None):
-        return False
-
-    def has_delete_permission(self, request, obj=None):
-        return False
 
 
 @admin.register(AutoscalingPolicy)
@@ -222,17 +207,6 @@ class AutoscalingPolicyAdmin(AuditedAdmin):
             },
         ),
     ]
-
-
-class ReadOnlyAdmin(admin.ModelAdmin):
-    def has_add_permission(self, request):
-        return False
-
-    def has_change_permission(self, request, obj=None):
-        return False
-
-    def has_delete_permission(self, request, obj=None):
-        return False
 
 
 @admin.register(ScalingEvent)

@@ -18,7 +18,7 @@ from django.core.exceptions import ValidationError
 from django.db import connection, transaction
 from django.utils import timezone
 
-from tenants.audit import audit_record, changes, snapshot
+from tenants.audit import audit_record, audited, snapshot
 
 from .models import (
     AutoscalingPolicy,
@@ -40,6 +40,12 @@ def deployment_snapshot(deployment: ModelDeployment) -> dict:
     data = snapshot(deployment)
     data["pools"] = {pool.name: snapshot(pool) for pool in deployment.pools.order_by("name")}
     return data
+
+
+def _audited(actor, source: str, deployment: ModelDeployment | None = None, *, delete: bool = False):
+    return audited(
+        "deployment", deployment, actor=actor, source=source, snapshot_of=deployment_snapshot, delete=delete
+    )
 
 
 def pools_check(pools: Sequence[Mapping[str, Any]]) -> None:
@@ -69,19 +75,12 @@ def deployment_create(
     """A deployment with its pools (each a mapping of Pool fields); its engines start on the reconcile that
     follows the commit. Raises ValidationError for what the models refuse."""
     pools_check(pools)
-    with transaction.atomic():
-        deployment = ModelDeployment(**fields)
+    with _audited(actor, source) as change:
+        deployment = change.instance = ModelDeployment(**fields)
         deployment.full_clean()
         deployment.save()
         for pool_fields in pools:
             _pool_save(Pool(deployment=deployment), pool_fields)
-        audit_record(
-            actor=actor,
-            action="deployment.create",
-            instance=deployment,
-            source=source,
-            details={"after": deployment_snapshot(deployment)},
-        )
         deployment_changed(deployment_id=deployment.pk)
     return deployment
 
@@ -100,29 +99,20 @@ def deployment_update(
         pools_check(pools)
     with transaction.atomic():
         deployment = ModelDeployment.objects.select_for_update().get(pk=deployment.pk)
-        before = deployment_snapshot(deployment)
-        for name, value in fields.items():
-            setattr(deployment, name, value)
-        deployment.full_clean()
-        deployment.save()
-        if pools is not None:
-            deployment.pools.exclude(name__in=[pool["name"] for pool in pools]).delete()
-            existing = {pool.name: pool for pool in deployment.pools.all()}
-            for pool_fields in pools:
-                pool = existing.get(pool_fields["name"]) or Pool(deployment=deployment)
-                replicas_before = pool.replicas if pool.pk else None
-                _pool_save(pool, pool_fields)
-                if replicas_before is not None and replicas_before != pool.replicas:
-                    autoscaling_pause(actor=actor, source=source, pool=pool, before=replicas_before)
-        diff = changes(before, deployment_snapshot(deployment))
-        if diff:
-            audit_record(
-                actor=actor,
-                action="deployment.update",
-                instance=deployment,
-                source=source,
-                details={"changes": diff},
-            )
+        with _audited(actor, source, deployment):
+            for name, value in fields.items():
+                setattr(deployment, name, value)
+            deployment.full_clean()
+            deployment.save()
+            if pools is not None:
+                deployment.pools.exclude(name__in=[pool["name"] for pool in pools]).delete()
+                existing = {pool.name: pool for pool in deployment.pools.all()}
+                for pool_fields in pools:
+                    pool = existing.get(pool_fields["name"]) or Pool(deployment=deployment)
+                    replicas_before = pool.replicas if pool.pk else None
+                    _pool_save(pool, pool_fields)
+                    if replicas_before is not None and replicas_before != pool.replicas:
+                        autoscaling_pause(actor=actor, source=source, pool=pool, before=replicas_before)
         deployment_changed(deployment_id=deployment.pk)
     return deployment
 
@@ -177,14 +167,7 @@ def autoscaling_pause(*, actor, source: str, pool: Pool, before: int) -> bool:
 
 def deployment_delete(*, actor, source: str, deployment: ModelDeployment) -> None:
     """Delete a deployment and its pools; its engines are stopped by the sweep that follows the commit."""
-    with transaction.atomic():
-        audit_record(
-            actor=actor,
-            action="deployment.delete",
-            instance=deployment,
-            source=source,
-            details={"before": deployment_snapshot(deployment)},
-        )
+    with _audited(actor, source, deployment, delete=True):
         deployment.delete()
         deployment_deleted()
 

@@ -5,7 +5,7 @@ from django.contrib import admin, messages
 from django.template.response import TemplateResponse
 from django.utils.translation import ngettext
 
-from .admin_audit import AuditedAdmin
+from .admin_audit import AuditedAdmin, ReadOnlyAdmin
 from .entitlements import deployments_outside_team, entitlement_snapshot
 from .keys import api_key_create, api_key_revoke
 from .models import (
@@ -252,19 +252,6 @@ class PriceSheetAdmin(AuditedAdmin):
     list_filter = ["currency", "tenant", "served_model_name"]
     search_fields = ["served_model_name", "tenant__name"]
     date_hierarchy = "effective_from"
-
-
-class ReadOnlyAdmin(admin.ModelAdmin):
-    """The ledger and the audit trail are written by the platform, never edited by hand."""
-
-    def has_add_permission(self, request):
-        return False
-
-    def has_change_permission(self, request, obj=None):
-        return False
-
-    def has_delete_permission(self, request, obj=None):
-        return False
 
 
 @admin.register(UsageRecord)

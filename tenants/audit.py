@@ -1,9 +1,15 @@
-"""The audit trail: one AuditLog row per state change, in the caller's transaction, never with a secret."""
+"""The audit trail: one AuditLog row per state change, in the caller's transaction, never with a secret.
+`audited` makes a change to one row and writes its audit row, in one transaction: the services and the API views
+change rows through it, and the admin deletes through it (its add and change views audit in their own transaction,
+tenants/admin_audit.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
@@ -83,3 +89,50 @@ def audit_record(
         details=details or {},
         source=source,
     )
+
+
+@dataclass
+class Change:
+    """The row an `audited` block changes: set `instance` to the row the block creates (or to the one it saved,
+    when that is another object than the one it was given)."""
+
+    instance: models.Model | None
+
+
+@contextlib.contextmanager
+def audited(
+    name: str,
+    instance: models.Model | None = None,
+    *,
+    actor,
+    source: str,
+    snapshot_of: Callable[[models.Model], dict[str, Any]] = snapshot,
+    delete: bool = False,
+    verb: str = "update",
+) -> Iterator[Change]:
+    """Change one row in the block, in one transaction with its audit row `<name>.<verb>`, the row's
+    `snapshot_of` in its details:
+
+    - no `instance`: the block creates the row and sets `change.instance`: `create`, with what it is;
+    - `delete`: the block deletes `instance`: `delete`, with what it was, written first (while the row has its id);
+    - otherwise the block changes `instance`: `update` (or `verb`: `revoke`), with the fields that changed; no
+      row when none did.
+
+    An error in the block rolls back the change and its audit row together."""
+
+    def record(action: str, row: models.Model, details: dict[str, Any]) -> None:
+        audit_record(actor=actor, action=f"{name}.{action}", instance=row, source=source, details=details)
+
+    with transaction.atomic():
+        change = Change(instance)
+        before = snapshot_of(instance) if instance is not None else None
+        if delete:
+            record("delete", instance, {"before": before})
+            yield change
+            return
+        yield change
+        after = snapshot_of(change.instance)
+        if before is None:
+            record("create", change.instance, {"after": after})
+        elif diff := changes(before, after):
+            record(verb, change.instance, {"changes": diff})

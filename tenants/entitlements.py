@@ -14,7 +14,7 @@ from typing import Any
 
 from django.db import models, transaction
 
-from .audit import audit_record, changes, snapshot
+from .audit import audited, snapshot
 from .models import ModelAlias, Team, Tenant
 
 # What a team's admins may change on their team (tenant admins and operators change all of it).
@@ -50,21 +50,15 @@ def deployments_closed_to(tenant_id: int, deployments: Iterable) -> list:
     return [d for d in deployments if d.pk not in open_ids]
 
 
+def _tenants_of(deployment) -> dict[str, Any]:
+    return {"tenants": sorted(deployment.tenants.values_list("pk", flat=True))}
+
+
 def deployment_tenants_set(*, deployment, tenants: Iterable[Tenant], actor, source: str) -> None:
     """Limit a deployment to these tenants (none: every tenant), as operators do. Audited when it changed; the
     routers reload on the commit (tenants/signals.py)."""
-    with transaction.atomic():
-        before = sorted(deployment.tenants.values_list("pk", flat=True))
+    with audited("deployment", deployment, actor=actor, source=source, snapshot_of=_tenants_of):
         deployment.tenants.set(tenants)
-        after = sorted(deployment.tenants.values_list("pk", flat=True))
-        if before != after:
-            audit_record(
-                actor=actor,
-                action="deployment.update",
-                instance=deployment,
-                source=source,
-                details={"changes": {"tenants": [before, after]}},
-            )
 
 
 def team_entitlements_update(
@@ -80,56 +74,27 @@ def team_entitlements_update(
     highest)."""
     with transaction.atomic():
         team = Team.objects.select_for_update().select_related("tenant").get(pk=team.pk)
-        before = entitlement_snapshot(team)
-        for name, value in fields.items():
-            setattr(team, name, value)
-        team.full_clean()
-        team.save()
-        if deployments is not None:
-            team.deployments.set(deployments)
-        diff = changes(before, entitlement_snapshot(team))
-        if diff:
-            audit_record(
-                actor=actor, action="team.update", instance=team, source=source, details={"changes": diff}
-            )
+        with audited("team", team, actor=actor, source=source, snapshot_of=entitlement_snapshot):
+            for name, value in fields.items():
+                setattr(team, name, value)
+            team.full_clean()
+            team.save()
+            if deployments is not None:
+                team.deployments.set(deployments)
     return team
 
 
 def model_alias_save(*, alias: ModelAlias, actor, source: str) -> ModelAlias:
     """Create an alias, or move an existing one to another deployment. Raises ValidationError for a name
     that is a served model's, or one the tenant already has."""
-    with transaction.atomic():
-        before = snapshot(ModelAlias.objects.get(pk=alias.pk)) if alias.pk else None
+    stored = ModelAlias.objects.get(pk=alias.pk) if alias.pk else None
+    with audited("model_alias", stored, actor=actor, source=source) as change:
         alias.full_clean()
         alias.save()
-        if before is None:
-            audit_record(
-                actor=actor,
-                action="model_alias.create",
-                instance=alias,
-                source=source,
-                details={"after": snapshot(alias)},
-            )
-        else:
-            diff = changes(before, snapshot(alias))
-            if diff:
-                audit_record(
-                    actor=actor,
-                    action="model_alias.update",
-                    instance=alias,
-                    source=source,
-                    details={"changes": diff},
-                )
+        change.instance = alias
     return alias
 
 
 def model_alias_delete(*, alias: ModelAlias, actor, source: str) -> None:
-    with transaction.atomic():
-        audit_record(
-            actor=actor,
-            action="model_alias.delete",
-            instance=alias,
-            source=source,
-            details={"before": snapshot(alias)},
-        )
+    with audited("model_alias", alias, actor=actor, source=source, delete=True):
         alias.delete()

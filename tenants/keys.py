@@ -11,12 +11,12 @@ from datetime import datetime
 from typing import TYPE_CHECKING
 
 from django.conf import settings
-from django.db import transaction
 from django.utils import timezone
 
 from inference_platform.config_version import bump_config_version_on_commit
 
-from .audit import audit_record, snapshot
+from .audit import audited
+from .entitlements import entitlement_snapshot
 from .models import ApiKey, Team
 
 if TYPE_CHECKING:
@@ -63,8 +63,8 @@ def api_key_create(
     """Issue a key. `priority_class` blank: the team's; `deployments` empty: all its team may call."""
     public_id = "".join(secrets.choice(_PUBLIC_ID_ALPHABET) for _ in range(PUBLIC_ID_LENGTH))
     raw_key = f"{settings.API_KEY_PREFIX}_{public_id}_{secrets.token_urlsafe(32)}"
-    with transaction.atomic():
-        api_key = ApiKey.objects.create(
+    with audited("api_key", actor=actor, source=source, snapshot_of=entitlement_snapshot) as change:
+        api_key = change.instance = ApiKey.objects.create(
             team=team,
             name=name,
             public_id=public_id,
@@ -74,36 +74,20 @@ def api_key_create(
             priority_class=priority_class,
             created_by=actor if getattr(actor, "pk", None) else None,
         )
-        after = snapshot(api_key)
         if deployments:
             api_key.deployments.set(deployments)
-            after["deployments"] = sorted(api_key.deployments.values_list("pk", flat=True))
-        audit_record(
-            actor=actor,
-            action="api_key.create",
-            instance=api_key,
-            source=source,
-            details={"after": after},
-        )
     return IssuedKey(api_key=api_key, secret=raw_key)
 
 
 def api_key_revoke(*, api_key: ApiKey, actor=None, source: str = "api") -> bool:
     """Revoke a key. Returns False when it was already revoked (and then changes nothing)."""
-    with transaction.atomic():
+    with audited("api_key", api_key, actor=actor, source=source, verb="revoke"):
         now = timezone.now()
         updated = ApiKey.objects.filter(pk=api_key.pk, revoked_at__isnull=True).update(revoked_at=now)
         if not updated:
             return False
         api_key.revoked_at = now
         bump_config_version_on_commit()  # routers drop the key within their poll interval
-        audit_record(
-            actor=actor,
-            action="api_key.revoke",
-            instance=api_key,
-            source=source,
-            details={"changes": {"revoked_at": [None, now.isoformat()]}},
-        )
     return True
 
 

@@ -378,12 +378,6 @@ class ApiKey(models.Model):
                 )
 
     @property
-    def effective_priority_class(self) -> str:
-        """The class its requests get: its own, else its team's, never above the tenant's highest."""
-        own = self.priority_class or self.team.priority_class
-        return priority_within(own, self.team.tenant.max_priority_class)
-
-    @property
     def is_active(self) -> bool:
         now = timezone.now()
         return self.revoked_at is None and (self.expires_at is None or self.expires_at > now)

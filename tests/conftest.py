@@ -145,7 +145,9 @@ NOT_UNIT = {"db", "transactional_db", "django_db_setup", "live_server", "world",
 
 def pytest_runtest_setup(item):
     if item.get_closest_marker("unit") and NOT_UNIT & set(item.fixturenames):
-        pytest.fail(f"a unit test uses {sorted(NOT_UNIT & set(item.fixturenames))}: move it out of the unit tier")
+        pytest.fail(
+            f"a unit test uses {sorted(NOT_UNIT & set(item.fixturenames))}: move it out of the unit tier"
+        )
     if item.get_closest_marker("kubectl") and not shutil.which("kubectl"):
         pytest.fail("kubectl (with kustomize) is not on PATH: `make kubectl` installs it (`make test` does)")
 

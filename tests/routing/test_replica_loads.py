@@ -9,9 +9,10 @@ import time
 from django.conf import settings
 
 from routing.app import Router
-from routing.load import REPLICA_LOAD_KEY, REPLICA_LOAD_MAX_AGE_S, EndpointLoad, others_load
+from routing.load import REPLICA_LOAD_KEY, EndpointLoad, others_load
 from routing.pipeline import Candidate
 from routing.redis_pool import router_redis
+from routing.replica_share import MAX_AGE_S
 from routing.state import DeploymentInfo, EndpointInfo, PolicyInfo, Snapshot
 from routing.steps import load_guard
 
@@ -67,7 +68,7 @@ def test_stale_and_malformed_fields_do_not_count():
     published = {
         b"me": f"9 9 {now} 100".encode(),
         b"other": f"2.5 2 {now - 1} 4096".encode(),
-        b"gone": f"7 7 {now - REPLICA_LOAD_MAX_AGE_S - 1} 50".encode(),
+        b"gone": f"7 7 {now - MAX_AGE_S - 1} 50".encode(),
         b"junk": b"not a load",
     }
     assert others_load(published, "me", now) == (2.5, 2, 4096.0, [b"gone", b"junk"])
@@ -79,7 +80,7 @@ def test_a_dead_replicas_field_is_deleted_by_the_next_replica_that_sees_it():
         key = REPLICA_LOAD_KEY.format(901)
         try:
             await a.redis.delete(key)
-            await a.redis.hset(key, "crashed", f"5 5 {time.time() - REPLICA_LOAD_MAX_AGE_S - 1} 0")
+            await a.redis.hset(key, "crashed", f"5 5 {time.time() - MAX_AGE_S - 1} 0")
             await a._refresh_loads()  # sees it, does not count it
             assert a.loads[901].others == 0
             await a._refresh_loads()  # deletes it

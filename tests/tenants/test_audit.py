@@ -3,7 +3,7 @@
 import pytest
 from django.test import Client
 
-from tenants.models import ApiKey, AuditLog, Team
+from tenants.models import ApiKey, AuditLog, Quota, Team
 
 
 def audit_rows_during(fn):
@@ -159,3 +159,21 @@ def test_it_audits_admin_changes_and_deletions_once(world, admin_client):
     response, rows = audit_rows_during(lambda: admin_client.post(quota_url, {"post": "yes"}))
     assert response.status_code == 302
     assert [row.action for row in rows] == ["quota.delete"]
+
+
+def test_the_rows_the_platform_writes_are_read_in_the_admin_never_added_or_deleted(world, admin_client):
+    for model in ("tenants/usagerecord", "tenants/auditlog", "serving/endpoint", "serving/scalingevent"):
+        assert admin_client.get(f"/admin/{model}/").status_code == 200, model
+        assert admin_client.get(f"/admin/{model}/add/").status_code == 403, model
+    row = AuditLog.objects.first()
+    response = admin_client.post(f"/admin/tenants/auditlog/{row.pk}/delete/", {"post": "yes"})
+    assert response.status_code == 403 and AuditLog.objects.filter(pk=row.pk).exists()
+
+
+def test_it_audits_each_row_of_a_bulk_deletion_in_the_admin(world, admin_client):
+    quotas = [world.quota_a1.pk, world.quota_b1.pk]
+    form = {"action": "delete_selected", "_selected_action": quotas, "post": "yes"}
+    response, rows = audit_rows_during(lambda: admin_client.post("/admin/tenants/quota/", form))
+    assert response.status_code == 302
+    assert sorted(row.action for row in rows) == ["quota.delete", "quota.delete"]
+    assert not Quota.objects.filter(pk__in=quotas).exists()

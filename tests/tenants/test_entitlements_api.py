@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from routing.models import RoutingPolicy
+from routing.state import load_snapshot
 from serving.models import ModelDeployment
 from tenants.models import ApiKey, AuditLog, ModelAlias, PriorityClass, Team, Tenant
 
@@ -236,6 +237,19 @@ def test_a_keys_class_above_the_ceiling_is_a_400_and_blank_means_the_teams(world
     assert client.patch(url, {"priority_class": "batch"}, format="json").status_code == 200
     response = client.patch(url, {"priority_class": ""}, format="json")
     assert response.status_code == 200 and response.json()["priority_class"] == ""
+
+
+def test_the_router_gives_a_key_its_own_class_else_its_teams_never_above_its_tenants(world):
+    Team.objects.filter(pk=world.team_a1.pk).update(priority_class="batch")
+    ApiKey.objects.filter(pk=world.key_b1.api_key.pk).update(priority_class="batch")
+    # Above the tenant's highest (standard): written behind the checks' back, still served no higher.
+    ApiKey.objects.filter(pk=world.key_a2.api_key.pk).update(priority_class="interactive")
+    snapshot = load_snapshot()
+    classes = [
+        snapshot.keys[k.api_key.secret_hmac].priority_class
+        for k in (world.key_a1, world.key_b1, world.key_a2)
+    ]
+    assert classes == ["batch", "batch", "standard"]  # its team's; its own; its own, lowered
 
 
 # --- model aliases ----------------------------------------------------------------------------------------

@@ -15,12 +15,13 @@ from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand
 from django.db import transaction
+from django.db.models import Model
 from django.utils import timezone
 
 from routing.models import RoutingPolicy
 from serving.models import EngineKind, ModelDeployment
 from serving.services import deployment_create
-from tenants.audit import audit_record, snapshot
+from tenants.audit import audited
 from tenants.keys import api_key_create
 from tenants.models import ApiKey, Membership, PriceSheet, Quota, Role, Scope, Team, Tenant
 
@@ -28,6 +29,17 @@ DEMO_MODEL = "tiny-qwen"
 # Room for a real Claude Code or Codex session: their first request alone is about 9-13K tokens (system prompt
 # and tools), and Claude Code asks for up to 32,000 output tokens. The tiny model declares enough positions for it.
 DEMO_MAX_MODEL_LEN = 131_072
+
+
+def _create(audit_name: str, model: type[Model], /, **fields) -> Model:
+    """A row of the demo, made and audited as the system's."""
+    with audited(audit_name, actor=None, source="system") as change:
+        change.instance = model.objects.create(**fields)
+    return change.instance
+
+
+def _operator(user) -> dict:
+    return {"username": user.get_username(), "operator": True}
 
 
 class Command(BaseCommand):
@@ -48,63 +60,40 @@ class Command(BaseCommand):
             )
         elif user is None:
             password = secrets.token_urlsafe(12)
-            user = User.objects.create_superuser(username=username, email="", password=password)
-            Membership.objects.create(user=user, role=Role.OPERATOR)
-            audit_record(
-                actor=None,
-                action="user.create",
-                instance=user,
-                source="system",
-                details={"after": {"username": username, "operator": True}},
-            )
+            with audited("user", actor=None, source="system", snapshot_of=_operator) as change:
+                user = change.instance = User.objects.create_superuser(
+                    username=username, email="", password=password
+                )
+                Membership.objects.create(user=user, role=Role.OPERATOR)
             self.stdout.write(f"Operator:  {username} / {password}   (shown once; change it in the admin)")
         else:
             self.stdout.write(f"Operator:  {username} (exists)")
 
-        tenant, created = Tenant.objects.get_or_create(slug="demo", defaults={"name": "Demo Inc."})
-        if created:
-            audit_record(
-                actor=None,
-                action="tenant.create",
-                instance=tenant,
-                source="system",
-                details={"after": snapshot(tenant)},
-            )
-        team, created = Team.objects.get_or_create(tenant=tenant, slug="agents", defaults={"name": "Agents"})
-        if created:
-            audit_record(
-                actor=None,
-                action="team.create",
-                instance=team,
-                source="system",
-                details={"after": snapshot(team)},
-            )
-            quota = Quota.objects.create(
-                team=team, requests_per_minute=600, max_concurrent_requests=64, token_budget=2_000_000_000
-            )
-            audit_record(
-                actor=None,
-                action="quota.create",
-                instance=quota,
-                source="system",
-                details={"after": snapshot(quota)},
+        tenant = Tenant.objects.filter(slug="demo").first() or _create(
+            "tenant", Tenant, slug="demo", name="Demo Inc."
+        )
+        team = Team.objects.filter(tenant=tenant, slug="agents").first()
+        if team is None:
+            team = _create("team", Team, tenant=tenant, slug="agents", name="Agents")
+            _create(
+                "quota",
+                Quota,
+                team=team,
+                requests_per_minute=600,
+                max_concurrent_requests=64,
+                token_budget=2_000_000_000,
             )
         self.stdout.write(f"Tenant:    {tenant.slug}, team {team.slug}")
 
         if not PriceSheet.objects.filter(served_model_name=DEMO_MODEL, tenant=None).exists():
-            sheet = PriceSheet.objects.create(
+            _create(
+                "price_sheet",
+                PriceSheet,
                 served_model_name=DEMO_MODEL,
                 effective_from=timezone.now().replace(day=1, hour=0, minute=0, second=0, microsecond=0),
                 input_per_mtok=Decimal("0.50"),
                 cached_input_per_mtok=Decimal("0.05"),
                 output_per_mtok=Decimal("1.50"),
-            )
-            audit_record(
-                actor=None,
-                action="price_sheet.create",
-                instance=sheet,
-                source="system",
-                details={"after": snapshot(sheet)},
             )
 
         deployment = ModelDeployment.objects.filter(name="tiny-demo").first()
