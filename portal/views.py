@@ -262,6 +262,7 @@ def _quota_usage(team, quotas) -> list[dict]:
     from django.conf import settings
 
     from routing.admission import quota_counters
+    from tenants.limits import LIMITS, row_label
 
     client = redis.Redis.from_url(settings.REDIS_URL)
     out = []
@@ -276,24 +277,12 @@ def _quota_usage(team, quotas) -> list[dict]:
                 "start": start,
                 "end": end,
                 "limits": [
-                    ("Requests per minute", quota.requests_per_minute, used["requests_per_minute"]),
                     (
-                        "Input tokens per minute",
-                        quota.input_tokens_per_minute,
-                        used["input_tokens_per_minute"],
-                    ),
-                    (
-                        "Output tokens per minute",
-                        quota.output_tokens_per_minute,
-                        used["output_tokens_per_minute"],
-                    ),
-                    ("Concurrent requests", quota.max_concurrent_requests, used["concurrent"]),
-                    (f"Tokens this {quota.budget_period}", quota.token_budget, used["tokens"]),
-                    (
-                        f"Spend this {quota.budget_period} ({quota.currency})",
-                        quota.spend_budget,
-                        used["spend"],
-                    ),
+                        row_label(limit, quota.budget_period, quota.currency),
+                        getattr(quota, limit.field),
+                        used[limit.field],
+                    )
+                    for limit in LIMITS
                 ],
                 "concurrency": quota.max_concurrent_requests,
             }

@@ -15,8 +15,10 @@ import time
 from dataclasses import dataclass
 from decimal import Decimal
 
+import orjson
 from django.conf import settings
 
+from tenants.limits import LIMITS, Limit, message
 from tenants.periods import period_bounds
 from tenants.pricing import cost_from_prices
 
@@ -31,99 +33,85 @@ CONCURRENCY_MAX_HOLD_S = 900
 # from the journal can still tell it was never applied.
 UNSETTLED_RETAIN_S = 3600
 
-# KEYS: for each scope (the tenant when an operator set it ceilings, the team, then the key, each when it has a quota
-# of its own) seven keys:
-#   rpm, itpm, otpm, concurrency zset, token budget, spend budget, and a spare.
-# ARGV: now, request id, n_scopes, then per scope: rpm_limit, itpm_limit, otpm_limit, conc_limit, tok_limit,
-#   spend_limit, window_ttl, budget_ttl; then the request's: input_reserve, output_reserve, spend_reserve, and the
-#   concurrency lease in seconds.
-# A limit of -1 means none. Returns {0, scope_index, limit_name, retry_after} when refused, else
-# {1, rpm_remaining, tokens_remaining} for the tightest scope.
+# Both scripts take their arguments by name: one JSON document in ARGV[1], built from the quota kinds' table
+# (tenants/limits.py). Each limit names its counter (an index into KEYS), what a request adds to it (`counts`), its
+# limit (-1: none, counted all the same) and its counter's time to live. Amounts are strings, so that Redis's
+# integers stay exact.
+#
+# ADMIT: {now, id, lease, amounts: {counts: amount}, scopes: [[{key, counts, limit, ttl, code, retry, shown}]]}.
+# Checks every limit of every scope, and only if all pass records the request in every counter. Returns
+# {0, scope_index, code, retry_after} when refused, else {1, requests_remaining, tokens_remaining} for the
+# tightest scope (-1 where none applies).
 ADMIT = """
-local now = tonumber(ARGV[1])
-local request_id = ARGV[2]
-local n = tonumber(ARGV[3])
-local per = 8
-local base = 3 + n * per
-local input_reserve = tonumber(ARGV[base + 1])
-local output_reserve = tonumber(ARGV[base + 2])
-local spend_reserve = tonumber(ARGV[base + 3])
-local lease = tonumber(ARGV[base + 4])
-local rpm_remaining = -1
-local tok_remaining = -1
-for s = 0, n - 1 do
-  local a = 3 + s * per
-  local k = s * 7
-  local rpm, itpm, otpm, conc = tonumber(ARGV[a+1]), tonumber(ARGV[a+2]), tonumber(ARGV[a+3]), tonumber(ARGV[a+4])
-  local tok, spend = tonumber(ARGV[a+5]), tonumber(ARGV[a+6])
-  local window_ttl, budget_ttl = tonumber(ARGV[a+7]), tonumber(ARGV[a+8])
-  if rpm >= 0 then
-    local used = tonumber(redis.call('GET', KEYS[k+1]) or '0')
-    if used + 1 > rpm then return {0, s, 'requests', window_ttl} end
-    if rpm_remaining < 0 or rpm - used - 1 < rpm_remaining then rpm_remaining = rpm - used - 1 end
-  end
-  if itpm >= 0 and tonumber(redis.call('GET', KEYS[k+2]) or '0') + input_reserve > itpm then
-    return {0, s, 'input_tokens', window_ttl}
-  end
-  if otpm >= 0 and tonumber(redis.call('GET', KEYS[k+3]) or '0') + output_reserve > otpm then
-    return {0, s, 'output_tokens', window_ttl}
-  end
-  if conc >= 0 then
-    if redis.call('ZCOUNT', KEYS[k+4], now, '+inf') + 1 > conc then return {0, s, 'concurrency', 1} end
-  end
-  if tok >= 0 then
-    local used = tonumber(redis.call('GET', KEYS[k+5]) or '0')
-    if used + input_reserve + output_reserve > tok then return {0, s, 'token_budget', budget_ttl} end
-    if tok_remaining < 0 or tok - used < tok_remaining then tok_remaining = tok - used end
-  end
-  if spend >= 0 and tonumber(redis.call('GET', KEYS[k+6]) or '0') + spend_reserve > spend then
-    return {0, s, 'spend_budget', budget_ttl}
+local r = cjson.decode(ARGV[1])
+local amounts = {}
+for name, value in pairs(r.amounts) do amounts[name] = tonumber(value) end
+local remaining = {}
+for s, limits in ipairs(r.scopes) do
+  for _, l in ipairs(limits) do
+    if l.limit >= 0 then
+      local after
+      if l.counts == 'slot' then
+        after = redis.call('ZCOUNT', KEYS[l.key], r.now, '+inf') + 1
+      else
+        after = tonumber(redis.call('GET', KEYS[l.key]) or '0') + amounts[l.counts]
+      end
+      if after > l.limit then return {0, s - 1, l.code, l.retry} end
+      if l.shown then
+        local left = l.limit - after
+        if remaining[l.shown] == nil or left < remaining[l.shown] then remaining[l.shown] = left end
+      end
+    end
   end
 end
-for s = 0, n - 1 do
-  local a = 3 + s * per
-  local k = s * 7
-  local window_ttl, budget_ttl = tonumber(ARGV[a+7]), tonumber(ARGV[a+8])
-  redis.call('INCR', KEYS[k+1]); redis.call('EXPIRE', KEYS[k+1], window_ttl + 60)
-  redis.call('INCRBY', KEYS[k+2], input_reserve); redis.call('EXPIRE', KEYS[k+2], window_ttl + 60)
-  redis.call('INCRBY', KEYS[k+3], output_reserve); redis.call('EXPIRE', KEYS[k+3], window_ttl + 60)
-  redis.call('ZREMRANGEBYSCORE', KEYS[k+4], '-inf', now - RETAIN)
-  redis.call('ZADD', KEYS[k+4], now + lease, request_id); redis.call('EXPIRE', KEYS[k+4], math.ceil(lease) + RETAIN)
-  redis.call('INCRBY', KEYS[k+5], input_reserve + output_reserve); redis.call('EXPIRE', KEYS[k+5], budget_ttl + 3600)
-  redis.call('INCRBY', KEYS[k+6], spend_reserve); redis.call('EXPIRE', KEYS[k+6], budget_ttl + 3600)
+for _, limits in ipairs(r.scopes) do
+  for _, l in ipairs(limits) do
+    local key = KEYS[l.key]
+    if l.counts == 'slot' then
+      redis.call('ZREMRANGEBYSCORE', key, '-inf', r.now - RETAIN)
+      redis.call('ZADD', key, r.now + r.lease, r.id)
+      redis.call('EXPIRE', key, math.ceil(r.lease) + RETAIN)
+    else
+      redis.call('INCRBY', key, r.amounts[l.counts])
+      redis.call('EXPIRE', key, l.ttl)
+    end
+  end
 end
-return {1, rpm_remaining, tok_remaining}
+return {1, remaining.requests or -1, remaining.tokens or -1}
 """.replace("RETAIN", str(UNSETTLED_RETAIN_S))
 
-# KEYS as for ADMIT. ARGV: request id, n_scopes, input delta, output delta, spend delta, and 1 when replayed from
-# the journal: then nothing is done unless a scope still holds the request's id, so a settlement that reached
-# Redis once (its reply lost) is not applied twice. Returns 1 when applied, 0 when not.
-# The minute windows are only corrected while they are still the current ones (the keys name their minute).
+# SETTLE: {id, replay, deltas: {counts: delta}, scopes: [[{key, counts}]]}: the settled limits of each scope, a slot
+# freed and a counter corrected by what the request used less what it reserved. With `replay` (a settlement read
+# back from the usage journal) nothing is done unless a scope still holds the request's slot, so a settlement that
+# reached Redis once (its reply lost) is not applied twice. Returns 1 when applied, 0 when not. A counter whose key
+# is gone (a minute's, once that minute is over) is left alone.
 SETTLE = """
-local request_id = ARGV[1]
-local n = tonumber(ARGV[2])
-local d_in, d_out, d_spend = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
-if ARGV[6] == '1' then
+local r = cjson.decode(ARGV[1])
+if r.replay then
   local held = false
-  for s = 0, n - 1 do
-    if redis.call('ZSCORE', KEYS[s * 7 + 4], request_id) then held = true end
+  for _, limits in ipairs(r.scopes) do
+    for _, l in ipairs(limits) do
+      if l.counts == 'slot' and redis.call('ZSCORE', KEYS[l.key], r.id) then held = true end
+    end
   end
   if not held then return 0 end
 end
-for s = 0, n - 1 do
-  local k = s * 7
-  if redis.call('EXISTS', KEYS[k+2]) == 1 then redis.call('INCRBY', KEYS[k+2], d_in) end
-  if redis.call('EXISTS', KEYS[k+3]) == 1 then redis.call('INCRBY', KEYS[k+3], d_out) end
-  redis.call('ZREM', KEYS[k+4], request_id)
-  if redis.call('EXISTS', KEYS[k+5]) == 1 then redis.call('INCRBY', KEYS[k+5], d_in + d_out) end
-  if redis.call('EXISTS', KEYS[k+6]) == 1 then redis.call('INCRBY', KEYS[k+6], d_spend) end
+for _, limits in ipairs(r.scopes) do
+  for _, l in ipairs(limits) do
+    local key = KEYS[l.key]
+    if l.counts == 'slot' then
+      redis.call('ZREM', key, r.id)
+    elseif redis.call('EXISTS', key) == 1 then
+      redis.call('INCRBY', key, r.deltas[l.counts])
+    end
+  end
 end
 return 1
 """
 
 # A request that takes no tokens of a quota (count_tokens): counted against the requests per minute of each scope,
-# refused when one is at its limit. KEYS: each scope's rpm key. ARGV: window_ttl, then each scope's rpm limit.
-# Returns {0, scope_index, retry_after} when refused, else {1, rpm_remaining} for the tightest scope.
+# refused when one is at its limit. KEYS: each scope's requests-per-minute counter. ARGV: the window's time to live,
+# then each scope's limit. Returns {0, scope_index, retry_after} when refused, else {1, remaining} for the tightest.
 COUNT_REQUEST = """
 local window_ttl = tonumber(ARGV[1])
 local remaining = -1
@@ -139,14 +127,10 @@ end
 return {1, remaining}
 """
 
-LIMIT_MESSAGES = {
-    "requests": "requests per minute",
-    "input_tokens": "input tokens per minute",
-    "output_tokens": "output tokens per minute",
-    "concurrency": "concurrent requests",
-    "token_budget": "token budget for this period",
-    "spend_budget": "spend budget for this period",
-}
+# Keys per scope in a settlement journaled before the table (six limits and a spare key), for its replay.
+JOURNALED_KEYS_PER_SCOPE = 7
+# The limits whose remainder the answer's headers show (x-ratelimit-remaining-<name>).
+SHOWN = {"requests_per_minute": "requests", "token_budget": "tokens"}
 
 
 # A quota's scope: its kind ("tenant", "team" or "key"), the id of what it limits, and its quota (None: no quota).
@@ -184,7 +168,7 @@ class Decision:
 
     @property
     def message(self) -> str:
-        return f"Rate limit reached for this {self.scope}: {LIMIT_MESSAGES.get(self.limit, self.limit)}."
+        return f"Rate limit reached for this {self.scope}: {message(self.limit)}."
 
 
 def money_units(amount: Decimal) -> int:
@@ -221,15 +205,10 @@ class Admission:
 
     @staticmethod
     def _scope_keys(kind: str, ident: int, quota: QuotaInfo, minute: int, budget_start: int) -> list[str]:
-        base = f"q:{kind}:{ident}"
+        """A scope's counters, one per limit in the table's order: a minute's name its minute, a budget's its
+        period and start."""
         return [
-            _rpm_key(kind, ident, minute),
-            f"{base}:itpm:{minute}",
-            f"{base}:otpm:{minute}",
-            f"{base}:conc",
-            f"{base}:tok:{quota.budget_period}:{budget_start}",
-            f"{base}:spend:{quota.budget_period}:{budget_start}",
-            f"{base}:spare",
+            _counter_key(limit, kind, ident, quota.budget_period, minute, budget_start) for limit in LIMITS
         ]
 
     async def admit(
@@ -249,22 +228,40 @@ class Admission:
         now = time.time()
         minute = int(now // 60)
         window_ttl = 60 - int(now % 60)
-        args: list = [now, request_id, len(scopes)]
+        documented = []
         for kind, ident, quota in scopes:
             start, end = _period_of_minute(quota.budget_period, minute)
+            budget_ttl = max(1, int(end - now))
+            base = len(reservation.keys)
             reservation.keys += self._scope_keys(kind, ident, quota, minute, start)
-            args += [
-                _limit(quota.requests_per_minute),
-                _limit(quota.input_tokens_per_minute),
-                _limit(quota.output_tokens_per_minute),
-                _limit(quota.max_concurrent_requests),
-                _limit(quota.token_budget),
-                money_units(quota.spend_budget) if quota.spend_budget is not None else -1,
-                window_ttl,
-                max(1, int(end - now)),
-            ]
-        args += [input_reserve, output_reserve, spend_reserve, self.lease_s]
-        result = await self._admit(keys=reservation.keys, args=args)
+            limits = []
+            for index, limit in enumerate(LIMITS):
+                retry = (
+                    1 if limit.window == "running" else window_ttl if limit.window == "minute" else budget_ttl
+                )
+                entry = {
+                    "key": base + index + 1,
+                    "counts": limit.counts,
+                    "limit": _limit(getattr(quota, limit.field), limit.money),
+                    "code": limit.code,
+                    "retry": retry,
+                    "ttl": window_ttl + 60 if limit.window == "minute" else budget_ttl + 3600,
+                }
+                if limit.field in SHOWN:
+                    entry["shown"] = SHOWN[limit.field]
+                limits.append(entry)
+            documented.append(limits)
+        amounts = {
+            "request": "1",
+            "input": str(input_reserve),
+            "output": str(output_reserve),
+            "tokens": str(input_reserve + output_reserve),
+            "spend": str(spend_reserve),
+        }
+        argument = orjson.dumps(
+            {"now": now, "id": request_id, "lease": self.lease_s, "amounts": amounts, "scopes": documented}
+        )
+        result = await self._admit(keys=reservation.keys, args=[argument])
         if result[0] == 1:
             self.held[request_id] = (reservation, time.monotonic())
             headers = {}
@@ -287,7 +284,8 @@ class Admission:
         now = time.time()
         minute = int(now // 60)
         window_ttl = 60 - int(now % 60)
-        keys = [_rpm_key(kind, ident, minute) for kind, ident, _ in scopes]
+        rpm = next(limit for limit in LIMITS if limit.field == "requests_per_minute")
+        keys = [_counter_key(rpm, kind, ident, "", minute, 0) for kind, ident, _ in scopes]
         args = [window_ttl, *(int(quota.requests_per_minute) for _, _, quota in scopes)]
         result = await self._count_request(keys=keys, args=args)
         if result[0] == 1:
@@ -302,18 +300,23 @@ class Admission:
         Called by its script's SHA: a pipeline given the script itself asks Redis whether it has it (SCRIPT
         EXISTS, a round trip) on every execute. A Redis that lost its scripts answers NOSCRIPT, and the
         finisher settles the batch again as a replay, which loads them."""
-        args = [reservation.request_id, reservation.scopes, input_delta, output_delta, spend_delta, 0]
-        pipe.evalsha(self._settle.sha, len(reservation.keys), *reservation.keys, *args)
+        args = self.settlement_args(reservation, input_delta, output_delta, spend_delta)
+        pipe.evalsha(self._settle.sha, len(reservation.keys), *reservation.keys, _settlement(args, False))
 
     async def settle_replayed_in(self, pipe, keys: list[str], args: list) -> None:
         """Queue a settlement read back from the journal (`settlement_args`): applied only if its request still
         holds a slot id, so at most once."""
-        await self._settle(keys=keys, args=[*args[:5], 1], client=pipe)
+        scopes = args[1]
+        old = JOURNALED_KEYS_PER_SCOPE
+        if scopes and len(keys) == scopes * old != scopes * len(LIMITS):  # journaled with a spare key a scope
+            keys = [key for index, key in enumerate(keys) if index % old != old - 1]
+        await self._settle(keys=keys, args=[_settlement(args, True)], client=pipe)
 
     @staticmethod
     def settlement_args(
         reservation: Reservation, input_delta: int, output_delta: int, spend_delta: int
     ) -> list:
+        """What a settlement needs besides the reservation's keys, as the usage journal keeps it."""
         return [reservation.request_id, reservation.scopes, input_delta, output_delta, spend_delta]
 
     def release(self, reservation: Reservation | None) -> None:
@@ -326,13 +329,14 @@ class Admission:
         """Extend the lease of every slot this replica holds, in one round trip; return how many. A slot already
         settled is not brought back (ZADD XX only updates ids still there)."""
         now_mono, now = time.monotonic(), time.time()
+        slot = next(index for index, limit in enumerate(LIMITS) if limit.counts == "slot")
         by_key: dict[str, list[str]] = {}
         for request_id, (reservation, admitted_at) in list(self.held.items()):
             if now_mono - admitted_at > CONCURRENCY_MAX_HOLD_S:
                 del self.held[request_id]
                 continue
             for scope in range(reservation.scopes):
-                by_key.setdefault(reservation.keys[scope * 7 + 3], []).append(request_id)
+                by_key.setdefault(reservation.keys[scope * len(LIMITS) + slot], []).append(request_id)
         if not by_key:
             return 0
         deadline = now + self.lease_s
@@ -344,9 +348,27 @@ class Admission:
         return sum(len(ids) for ids in by_key.values())
 
 
-def _rpm_key(kind: str, ident: int, minute: int) -> str:
-    """The counter of a scope's requests in a minute (minutes since the epoch)."""
-    return f"q:{kind}:{ident}:rpm:{minute}"
+def _counter_key(limit: Limit, kind: str, ident: int, period: str, minute: int, budget_start: int) -> str:
+    """A limit's counter for a scope: a minute's named by its minute (minutes since the epoch), a budget's by its
+    period and start; the running requests' slots have one set."""
+    base = f"q:{kind}:{ident}:{limit.counter}"
+    if limit.window == "minute":
+        return f"{base}:{minute}"
+    if limit.window == "budget":
+        return f"{base}:{period}:{budget_start}"
+    return base
+
+
+def _settlement(args: list, replay: bool) -> bytes:
+    """The settle script's argument, from `settlement_args`: each scope's settled limits, by name."""
+    request_id, scopes, d_in, d_out, d_spend = args[:5]
+    deltas = {"input": str(d_in), "output": str(d_out), "tokens": str(d_in + d_out), "spend": str(d_spend)}
+    settled = [(index, limit.counts) for index, limit in enumerate(LIMITS) if limit.settled]
+    documented = [
+        [{"key": scope * len(LIMITS) + index + 1, "counts": counts} for index, counts in settled]
+        for scope in range(scopes)
+    ]
+    return orjson.dumps({"id": request_id, "replay": replay, "deltas": deltas, "scopes": documented})
 
 
 def _refused(kind: str, quota: QuotaInfo, limit: str, retry_after: int) -> Decision:
@@ -369,32 +391,31 @@ def _period_of_minute(period: str, minute: int) -> tuple[int, int]:
     return int(start.timestamp()), int(end.timestamp())
 
 
-def _limit(value) -> int:
-    return -1 if value is None else int(value)
+def _limit(value, money: bool = False) -> int:
+    """A limit as the scripts compare it: -1 for none, money in 1e-8 units."""
+    if value is None:
+        return -1
+    return money_units(value) if money else int(value)
 
 
 def quota_counters(redis_client, *, kind: str, ident: int, quota) -> dict:
-    """What admission has counted against a quota right now (sync client): the same Redis keys the admission
-    script checks, so a page can show exactly what the next request will be judged against. Budgets include
-    the reservations of requests still running."""
+    """What admission has counted against a quota right now (sync client), by limit (tenants/limits.py): the
+    same Redis keys the admission script checks, so a page can show exactly what the next request will be judged
+    against. Budgets include the reservations of requests still running; spend is in the currency."""
     from datetime import UTC, datetime
 
     now = time.time()
     start, _ = period_bounds(quota.budget_period, datetime.fromtimestamp(now, UTC))
     keys = Admission._scope_keys(kind, ident, quota, int(now // 60), int(start.timestamp()))
     with redis_client.pipeline(transaction=False) as pipe:
-        pipe.get(keys[0])
-        pipe.get(keys[1])
-        pipe.get(keys[2])
-        pipe.zcount(keys[3], now, "+inf")
-        pipe.get(keys[4])
-        pipe.get(keys[5])
-        rpm, itpm, otpm, concurrent, tokens, spend = pipe.execute()
-    return {
-        "requests_per_minute": int(rpm or 0),
-        "input_tokens_per_minute": int(itpm or 0),
-        "output_tokens_per_minute": int(otpm or 0),
-        "concurrent": int(concurrent or 0),
-        "tokens": int(tokens or 0),
-        "spend": Decimal(int(spend or 0)) / MONEY_SCALE,
-    }
+        for limit, key in zip(LIMITS, keys, strict=True):
+            if limit.counts == "slot":
+                pipe.zcount(key, now, "+inf")
+            else:
+                pipe.get(key)
+        values = pipe.execute()
+    counted = {}
+    for limit, value in zip(LIMITS, values, strict=True):
+        value = int(value or 0)
+        counted[limit.field] = Decimal(value) / MONEY_SCALE if limit.money else value
+    return counted

@@ -18,6 +18,8 @@ from django.conf import settings
 from django.db.models import Q
 from django.utils import timezone
 
+from tenants.limits import LIMITS
+
 from .models import RoutingMode, RoutingPolicy, policy_fields
 
 
@@ -105,15 +107,15 @@ class DeploymentInfo:
         return any(e.role in PREFILL_ROLES for e in self.endpoints)
 
 
-@dataclass(frozen=True, slots=True)
-class QuotaInfo:
-    requests_per_minute: int | None
-    input_tokens_per_minute: int | None
-    output_tokens_per_minute: int | None
-    max_concurrent_requests: int | None
-    token_budget: int | None
-    spend_budget: Decimal | None
-    budget_period: str
+# A quota as admission reads it: one attribute per quota kind (tenants/limits.py, None for no limit), and the period
+# its budgets count over.
+QuotaInfo = make_dataclass(
+    "QuotaInfo",
+    [*((limit.field, int | Decimal | None) for limit in LIMITS), ("budget_period", str)],
+    frozen=True,
+    slots=True,
+)
+QuotaInfo.__module__ = __name__
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,22 +184,14 @@ def cache_salt(owner: str) -> str:
 
 def _quota(q) -> QuotaInfo:
     return QuotaInfo(
-        q.requests_per_minute,
-        q.input_tokens_per_minute,
-        q.output_tokens_per_minute,
-        q.max_concurrent_requests,
-        q.token_budget,
-        q.spend_budget,
-        q.budget_period,
+        **{limit.field: getattr(q, limit.field) for limit in LIMITS}, budget_period=q.budget_period
     )
 
 
 def _ceilings(tenant) -> QuotaInfo:
-    """A tenant's ceilings (tenants.models.QUOTA_CEILINGS) as the quota of the tenant as a whole: every team and key
-    of the tenant counts against it together, so no number of teams or keys gets more than the operator allowed."""
-    from tenants.models import QUOTA_CEILINGS
-
-    limits = {name: getattr(tenant, ceiling_name) for name, ceiling_name in QUOTA_CEILINGS.items()}
+    """A tenant's ceilings as the quota of the tenant as a whole: every team and key of the tenant counts against
+    them together, so no number of teams or keys gets more than the operator allowed."""
+    limits = {limit.field: getattr(tenant, limit.ceiling) for limit in LIMITS}
     return QuotaInfo(**limits, budget_period=tenant.max_budget_period)
 
 
@@ -206,7 +200,6 @@ def load_snapshot(version: str = "") -> Snapshot:
     from serving.engine_keys import engine_api_key
     from serving.models import DesiredStatus, Endpoint, Health, ModelDeployment
     from tenants.models import (
-        QUOTA_CEILINGS,
         ApiKey,
         ModelAlias,
         PriceSheet,
@@ -327,8 +320,8 @@ def load_snapshot(version: str = "") -> Snapshot:
             snapshot.team_quotas[quota.team_id] = _quota(quota)
     # A tenant with ceilings is a scope of its own: its teams and keys count against them together.
     any_ceiling = Q()
-    for ceiling_name in QUOTA_CEILINGS.values():
-        any_ceiling |= Q(**{f"{ceiling_name}__isnull": False})
+    for limit in LIMITS:
+        any_ceiling |= Q(**{f"{limit.ceiling}__isnull": False})
     for tenant in Tenant.objects.filter(any_ceiling):
         snapshot.tenant_quotas[tenant.id] = _ceilings(tenant)
 

@@ -8,6 +8,7 @@ from django.utils.translation import ngettext
 from .admin_audit import AuditedAdmin, ReadOnlyAdmin
 from .entitlements import deployments_outside_team, entitlement_snapshot
 from .keys import api_key_create, api_key_revoke
+from .limits import ceiling_fields, quota_fields
 from .models import (
     ApiKey,
     AuditLog,
@@ -54,14 +55,9 @@ class TenantAdmin(AuditedAdmin):
         (
             "Quota ceilings",
             {
-                "fields": [
-                    ("max_requests_per_minute", "max_concurrent_requests"),
-                    ("max_input_tokens_per_minute", "max_output_tokens_per_minute"),
-                    "max_budget_period",
-                    ("max_token_budget", "max_spend_budget", "max_spend_currency"),
-                ],
-                "description": "The most the tenant's admins may give any of its teams or keys; the router holds "
-                "every team of the tenant to them, a team without a quota of its own too. Empty: no ceiling.",
+                "fields": ceiling_fields(),
+                "description": "What all of the tenant's teams and keys may use together, and the most its admins "
+                "may give any one of them. Empty: no ceiling.",
             },
         ),
     ]
@@ -207,18 +203,7 @@ class ApiKeyAdmin(AuditedAdmin):
 
 @admin.register(Quota)
 class QuotaAdmin(AuditedAdmin):
-    list_display = [
-        "team",
-        "api_key",
-        "requests_per_minute",
-        "input_tokens_per_minute",
-        "output_tokens_per_minute",
-        "max_concurrent_requests",
-        "budget_period",
-        "token_budget",
-        "spend_budget",
-        "currency",
-    ]
+    list_display = ["team", "api_key", *quota_fields()]
     list_filter = ["budget_period", "team__tenant"]
     search_fields = ["team__name", "api_key__name", "api_key__public_id"]
     list_select_related = ["team__tenant", "api_key"]

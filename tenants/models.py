@@ -12,6 +12,8 @@ from django.db import models
 from django.db.models import F, Q
 from django.utils import timezone
 
+from .limits import LIMITS
+
 slug_validator = RegexValidator(
     r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$", "Use lower-case letters, digits and hyphens."
 )
@@ -56,14 +58,7 @@ def _positive(field_name: str) -> Q:
 
 
 # A quota's limit (Quota's field) -> the tenant's ceiling for it (Tenant's field), which operators set.
-QUOTA_CEILINGS = {
-    "requests_per_minute": "max_requests_per_minute",
-    "input_tokens_per_minute": "max_input_tokens_per_minute",
-    "output_tokens_per_minute": "max_output_tokens_per_minute",
-    "max_concurrent_requests": "max_concurrent_requests",
-    "token_budget": "max_token_budget",
-    "spend_budget": "max_spend_budget",
-}
+QUOTA_CEILINGS = {limit.field: limit.ceiling for limit in LIMITS}
 CEILING_HELP = "What all of the tenant's teams and keys may use together; no quota of theirs may allow more. Empty: none."
 
 
@@ -383,13 +378,8 @@ class ApiKey(models.Model):
         return self.revoked_at is None and (self.expires_at is None or self.expires_at > now)
 
 
-LIMIT_FIELDS = (
-    "requests_per_minute",
-    "input_tokens_per_minute",
-    "output_tokens_per_minute",
-    "max_concurrent_requests",
-    "token_budget",
-)
+# The limits counted in whole numbers (the spend budget is money).
+LIMIT_FIELDS = tuple(limit.field for limit in LIMITS if not limit.money)
 
 
 class Quota(models.Model):

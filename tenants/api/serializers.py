@@ -10,6 +10,7 @@ from serving.models import ModelDeployment
 
 from ..access import Access
 from ..entitlements import deployments_closed_to, deployments_outside_team
+from ..limits import ceiling_fields, quota_fields
 from ..models import (
     TEAM_ROLES,
     ApiKey,
@@ -122,14 +123,7 @@ class TenantSerializer(ModelCleanMixin, serializers.ModelSerializer):
             "is_active",
             "fair_share_weight",
             "max_priority_class",
-            "max_requests_per_minute",
-            "max_input_tokens_per_minute",
-            "max_output_tokens_per_minute",
-            "max_concurrent_requests",
-            "max_budget_period",
-            "max_token_budget",
-            "max_spend_budget",
-            "max_spend_currency",
+            *ceiling_fields(),
             "created_at",
         ]
 
@@ -323,14 +317,7 @@ class QuotaSerializer(ModelCleanMixin, serializers.ModelSerializer):
             "id",
             "team",
             "api_key",
-            "requests_per_minute",
-            "input_tokens_per_minute",
-            "output_tokens_per_minute",
-            "max_concurrent_requests",
-            "budget_period",
-            "token_budget",
-            "spend_budget",
-            "currency",
+            *quota_fields(),
             "resets_at",
             "updated_at",
         ]

@@ -166,7 +166,9 @@ def test_a_stream_the_client_leaves_pays_for_its_prompt_and_counts_against_the_q
         redis.Redis.from_url(settings.REDIS_URL), kind="team", ident=fleet.team.id, quota=quota
     )
     # Settled at the same figures: the budget keeps the prompt (and what was streamed), not a refund of it.
-    assert counted["tokens"] - counted_before["tokens"] == event.prompt_tokens + event.output_tokens
+    assert (
+        counted["token_budget"] - counted_before["token_budget"] == event.prompt_tokens + event.output_tokens
+    )
 
 
 def test_an_anthropic_stream_the_client_leaves_pays_for_its_prompt(slow_fleet):
