@@ -16,7 +16,7 @@ django_asgi_app = get_asgi_application()  # sets Django up before the portal's c
 
 from channels.routing import ProtocolTypeRouter  # noqa: E402
 
-from portal.routing import websocket_application  # noqa: E402
+from portal.websockets import websocket_application  # noqa: E402
 
 
 def web_application(http=django_asgi_app) -> ProtocolTypeRouter:

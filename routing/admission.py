@@ -22,7 +22,7 @@ from tenants.limits import LIMITS, Limit, message
 from tenants.periods import period_bounds
 from tenants.pricing import cost_from_prices
 
-from .state import KeyInfo, Prices, QuotaInfo, Snapshot
+from .snapshot import KeyInfo, Prices, QuotaInfo, Snapshot
 
 # Money is counted in Redis as integers of 1e-8 of the currency unit, the ledger's precision.
 MONEY_SCALE = Decimal("100000000")

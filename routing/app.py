@@ -5,7 +5,7 @@ authenticate the key -> admit (quotas, budgets) -> pick an endpoint -> stream th
 state it reads per request is in memory (the snapshot) and in Redis (admission).
 
 This module is the app: the routes, the life cycle and the snapshot refresh. A request is checked in
-routing/requests.py, admitted in routing/generation.py and served in routing/exchange.py; endpoint load is kept in
+routing/checks.py, admitted in routing/generation.py and served in routing/exchange.py; endpoint load is kept in
 routing/load.py. See docs/routing.md#the-request-path.
 """
 
@@ -30,6 +30,16 @@ from inference_platform.config_version import CONFIG_VERSION_KEY
 
 from . import metrics
 from .admission import Admission, quota_scopes
+from .checks import (
+    ClientGone,
+    HttpError,
+    authenticate,
+    body_limit,
+    deployment_for,
+    parse,
+    read_body,
+    refuse_remote_media,
+)
 from .dialects import ANTHROPIC, OPENAI, RESPONSES, Dialect, RenderError, first_media_part
 from .engine_errors import refusal, route_missing_body
 from .finisher import Finisher
@@ -42,17 +52,7 @@ from .loop_lag import LoopLag
 from .pipeline import Pipeline
 from .prefix import PrefixRouting
 from .redis_pool import router_redis
-from .requests import (
-    ClientGone,
-    HttpError,
-    authenticate,
-    body_limit,
-    deployment_for,
-    parse,
-    read_body,
-    refuse_remote_media,
-)
-from .state import DeploymentInfo, KeyInfo, Snapshot, load_snapshot
+from .snapshot import DeploymentInfo, KeyInfo, Snapshot, load_snapshot
 from .upstream import UpstreamError, UpstreamPool
 from .wire import JSON_HEADERS, Receive, Send, encode_headers, header, respond
 

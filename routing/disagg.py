@@ -18,7 +18,7 @@ from . import metrics
 from .dialects import OPENAI, Usage
 from .load import EndpointLoad
 from .pipeline import Candidate, RequestContext
-from .state import PREFILL_ROLES, DeploymentInfo, EndpointInfo
+from .snapshot import PREFILL_ROLES, DeploymentInfo, EndpointInfo
 from .upstream import UpstreamError
 
 if TYPE_CHECKING:

@@ -22,7 +22,7 @@ from .engine_errors import refusal, route_missing_body
 from .flow import QueueTimeout, Ticket
 from .framework import RequestContext
 from .load import RECENT_WINDOW_S, EndpointLoad, Prefill
-from .state import DeploymentInfo, KeyInfo
+from .snapshot import DeploymentInfo, KeyInfo
 from .steps import request_weight
 from .upstream import (
     AnswerTooLarge,

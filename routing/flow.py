@@ -43,7 +43,7 @@ import orjson
 from . import metrics, replica_share
 from .filters import slot_limit
 from .load import EndpointLoad
-from .state import DECODE_ROLES, DeploymentInfo, KeyInfo
+from .snapshot import DECODE_ROLES, DeploymentInfo, KeyInfo
 
 CLASSES = ("interactive", "standard", "batch")  # dispatch order (tenants.models.PRIORITY_RANK)
 SERVED_KEY = (

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from .load import EndpointLoad
     from .prefix_index import Held
-    from .state import DeploymentInfo, EndpointInfo, PolicyInfo
+    from .snapshot import DeploymentInfo, EndpointInfo, PolicyInfo
 
 
 @dataclass

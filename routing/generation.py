@@ -1,6 +1,6 @@
 """The generation routes' handler, in four steps, each a function of what the one before gave it:
 
-1. `check`: the key, the body and every field the router acts on (routing/requests.py), with the request's token
+1. `check`: the key, the body and every field the router acts on (routing/checks.py), with the request's token
    bounds; any refusal that needs no quota and no tokenizer is decided here.
 2. `admit`: the bounds reserved against the tenant's, team's and key's quotas (routing/admission.py).
 3. `place`: the prompt tokenized and scored for routing (routing/prefix.py); the refusals that need its count.
@@ -25,11 +25,7 @@ from redis.exceptions import RedisError
 from . import metrics
 from .admission import Decision, cost_units, quota_scopes
 from .assemble import assembles
-from .dialects import OPENAI, Dialect
-from .exchange import Exchange, RequestInfo
-from .pipeline import RequestContext
-from .prefix import needs_prompt, read_outcome
-from .requests import (
+from .checks import (
     ClientGone,
     HttpError,
     deployment_for,
@@ -42,8 +38,12 @@ from .requests import (
     read_body,
     validate,
 )
+from .dialects import OPENAI, Dialect
+from .exchange import Exchange, RequestInfo
+from .pipeline import RequestContext
+from .prefix import needs_prompt, read_outcome
 from .sessions import session_key
-from .state import DeploymentInfo, KeyInfo, Prices
+from .snapshot import DeploymentInfo, KeyInfo, Prices
 from .tokenize import token_ids
 from .wire import JSON_HEADERS, Receive, Send, encode_headers, respond
 

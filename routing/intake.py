@@ -17,7 +17,7 @@ import asyncio
 import logging
 import time
 
-from .requests import HttpError
+from .checks import HttpError
 from .wire import Receive, Send
 
 log = logging.getLogger(__name__)

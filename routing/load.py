@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from . import replica_share
-from .state import EndpointInfo
+from .snapshot import EndpointInfo
 
 RECENT_WINDOW_S = 5.0
 # Prefills shorter than this do not teach the prefill speed: their time is mostly the engine's fixed overhead.

@@ -23,7 +23,7 @@ class RoutingPolicy(models.Model):
 
     Each scorer returns a score in [0, 1] per endpoint; the weights combine them and the best total wins. Which
     field weighs which scorer is registered with the scorer (routing/plugins.py). The router reads every field
-    but the deployment and updated_at (policy_fields), with these defaults (routing.state.PolicyInfo).
+    but the deployment and updated_at (policy_fields), with these defaults (routing.snapshot.PolicyInfo).
     """
 
     deployment = models.OneToOneField(

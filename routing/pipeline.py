@@ -13,10 +13,10 @@ from . import plugins  # noqa: F401  (registers the built-in plugins and modes)
 from .framework import REGISTRY, Candidate, Choice, Registry, RequestContext
 from .load import EndpointLoad
 from .picker import Picker
-from .state import DECODE_ROLES
+from .snapshot import DECODE_ROLES
 
 if TYPE_CHECKING:
-    from .state import DeploymentInfo
+    from .snapshot import DeploymentInfo
 
 # The mode a policy naming no registered mode gets (the database's choices allow none such).
 FALLBACK_MODE = "least_loaded"

@@ -24,7 +24,7 @@ from .pipeline import Candidate, RequestContext
 from .prefix_health import PrefixHealth
 from .prefix_index import Held, PrefixIndex
 from .shared_tokens import Sharing
-from .state import DeploymentInfo
+from .snapshot import DeploymentInfo
 from .tokenize import RouterTokenizer
 from .tokenize_pool import TokenizePool, prompt_tokens
 

@@ -13,7 +13,7 @@ from channels.db import database_sync_to_async
 from django.db import connections
 
 from portal.live import QUEUE_KEY, live_traffic
-from portal.routing import websocket_urlpatterns
+from portal.websockets import websocket_urlpatterns
 from serving.models import ModelDeployment
 from tenants.usage_stream import UsageEvent, stream_key, usage_event_emit_sync, usage_redis
 

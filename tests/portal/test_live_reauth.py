@@ -14,7 +14,7 @@ from django.contrib.sessions.models import Session
 from django.db import connections
 from django.test import Client
 
-from portal.routing import websocket_urlpatterns
+from portal.websockets import websocket_urlpatterns
 from tenants.models import Membership, Role
 from tenants.usage_stream import stream_key, usage_redis
 

@@ -9,7 +9,7 @@ from django.conf import settings
 from django.test import Client
 
 from routing.admission import Admission
-from routing.state import QuotaInfo
+from routing.snapshot import QuotaInfo
 from tenants.models import Quota
 
 

@@ -25,7 +25,7 @@ from routing.flow import (
 from routing.framework import RequestContext
 from routing.load import EndpointLoad
 from routing.pipeline import Pipeline
-from routing.state import DeploymentInfo, EndpointInfo, KeyInfo, PolicyInfo
+from routing.snapshot import DeploymentInfo, EndpointInfo, KeyInfo, PolicyInfo
 
 pytestmark = pytest.mark.unit  # pure functions: no database, Redis or process (make test-unit)
 

@@ -18,8 +18,8 @@ import pytest
 
 from inference_platform.ports import free_port
 from routing import intake as intake_module
+from routing.checks import HttpError
 from routing.intake import ClientStalled, Intake
-from routing.requests import HttpError
 from routing.sessions import MAX_SESSION_CHARS, session_key
 
 from ..serving.engines import MODEL_NAME, start_engine

@@ -13,7 +13,7 @@ from django.conf import settings
 
 from routing import admission as admission_module
 from routing.admission import Admission, quota_counters
-from routing.state import QuotaInfo
+from routing.snapshot import QuotaInfo
 from tenants import limits as limits_module
 from tenants.admin import QuotaAdmin, TenantAdmin
 from tenants.api.serializers import QuotaSerializer, TenantSerializer

@@ -10,14 +10,14 @@ import json
 import httpx
 import pytest
 
+from routing.checks import HttpError, engine_fields, parse
 from routing.fields import remote_media
-from routing.requests import HttpError, engine_fields, parse
 from serving.models import ModelDeployment
 
 from ..serving.engines import MODEL_NAME
 from .conftest import make_fleet
 from .test_engine_errors import HostileEngine
-from .test_requests import key_info
+from .test_checks import key_info
 
 METADATA = "http://169.254.169.254/latest/meta-data/iam/security-credentials/"
 INLINE = "data:image/png;base64,iVBORw0KGgo="

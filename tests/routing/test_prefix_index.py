@@ -19,7 +19,7 @@ from routing.load import EndpointLoad
 from routing.pipeline import Candidate
 from routing.prefix import PrefixRouting, index_vs_record
 from routing.prefix_index import BISECT_FROM_BLOCKS, Held, PrefixIndex
-from routing.state import DeploymentInfo, EndpointInfo, PolicyInfo
+from routing.snapshot import DeploymentInfo, EndpointInfo, PolicyInfo
 from routing.tokenize import token_ids
 
 

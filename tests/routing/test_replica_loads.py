@@ -13,7 +13,7 @@ from routing.load import REPLICA_LOAD_KEY, EndpointLoad, others_load
 from routing.pipeline import Candidate
 from routing.redis_pool import router_redis
 from routing.replica_share import MAX_AGE_S
-from routing.state import DeploymentInfo, EndpointInfo, PolicyInfo, Snapshot
+from routing.snapshot import DeploymentInfo, EndpointInfo, PolicyInfo, Snapshot
 from routing.steps import load_guard
 
 

@@ -14,7 +14,7 @@ from routing.framework import REGISTRY, Registry
 from routing.load import EndpointLoad
 from routing.models import RoutingMode, RoutingPolicy, policy_fields
 from routing.pipeline import Pipeline, RequestContext
-from routing.state import NO_POLICY, DeploymentInfo, EndpointInfo, PolicyInfo, load_snapshot
+from routing.snapshot import NO_POLICY, DeploymentInfo, EndpointInfo, PolicyInfo, load_snapshot
 from serving.models import DesiredStatus, ModelDeployment
 
 

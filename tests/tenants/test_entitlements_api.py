@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from routing.models import RoutingPolicy
-from routing.state import load_snapshot
+from routing.snapshot import load_snapshot
 from serving.models import ModelDeployment
 from tenants.models import ApiKey, AuditLog, ModelAlias, PriorityClass, Team, Tenant
 

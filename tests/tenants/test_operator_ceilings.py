@@ -11,7 +11,7 @@ from django.core.exceptions import ValidationError
 from django.test import Client
 from knox.models import AuthToken
 
-from routing.state import load_snapshot
+from routing.snapshot import load_snapshot
 from tenants.api.tokens import personal_token_create
 from tenants.models import Quota, Tenant
 

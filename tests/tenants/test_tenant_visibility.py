@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from routing.state import load_snapshot
+from routing.snapshot import load_snapshot
 from serving.models import Endpoint, Health, ModelDeployment, Pool
 from tenants.models import AuditLog, ModelAlias, Team
 

@@ -18,7 +18,7 @@ from .dialects import ANTHROPIC, Dialect, first_media_part
 from .fields import FieldError, public_fields, remote_media
 from .flow import CLASSES as PRIORITY_CLASSES
 from .pipeline import RequestContext
-from .state import DeploymentInfo, KeyInfo, Snapshot
+from .snapshot import DeploymentInfo, KeyInfo, Snapshot
 from .tokenize import RouterTokenizer, token_ids
 from .wire import Receive, header
 

@@ -1,5 +1,5 @@
 """Checking a request before admission, without a server: the requests are the bytes and headers the official
-OpenAI and Anthropic SDKs build (captured on their way out), fed to routing/requests.py's functions."""
+OpenAI and Anthropic SDKs build (captured on their way out), fed to routing/checks.py's functions."""
 
 from __future__ import annotations
 
@@ -17,11 +17,7 @@ import orjson
 import pytest
 from django.conf import settings
 
-from routing.dialects import ANTHROPIC, OPENAI, RESPONSES
-from routing.pipeline import RequestContext
-from routing.prefix import PrefixRouting
-from routing.redis_pool import router_redis
-from routing.requests import (
+from routing.checks import (
     BODY_FLOOR_BYTES,
     ClientGone,
     HttpError,
@@ -39,7 +35,11 @@ from routing.requests import (
     template_overhead,
     validate,
 )
-from routing.state import DeploymentInfo, KeyInfo, PolicyInfo, Snapshot
+from routing.dialects import ANTHROPIC, OPENAI, RESPONSES
+from routing.pipeline import RequestContext
+from routing.prefix import PrefixRouting
+from routing.redis_pool import router_redis
+from routing.snapshot import DeploymentInfo, KeyInfo, PolicyInfo, Snapshot
 from routing.tokenize import RouterTokenizer, token_ids
 
 from ..serving.engines import MODEL_DIR, MODEL_NAME
