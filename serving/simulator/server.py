@@ -264,6 +264,9 @@ class ToolCallStream:
         return deltas
 
 
+RENDERED_CACHE_TOKENS = 2_000_000  # prompt ids the cache of rendered chats holds, in all
+
+
 @dataclass
 class ChatPrompt:
     ids: list[int]
@@ -283,6 +286,7 @@ class SimulatorApp:
         )
         self._text: dict[int, str] = {}
         self._rendered: OrderedDict[str, ChatPrompt] = OrderedDict()
+        self._rendered_tokens = 0
         self._calls: OrderedDict[str, tuple[str, list[int], list[int]]] = OrderedDict()
         template = tokenizer.chat_template
         self.traits = template_traits(template)
@@ -363,6 +367,11 @@ class SimulatorApp:
             return web.json_response(
                 ApiError(400, "Cannot reset the prefix cache while requests run.").body(), status=400
             )
+        # The simulator's own caches of rendered prompts go too: what follows a reset (a benchmark's next phase)
+        # costs the simulator what it did the first time.
+        self._rendered.clear()
+        self._rendered_tokens = 0
+        self.tokenizer.forget_pieces()
         return web.Response(status=200)
 
     async def tokenize(self, request: web.Request) -> web.Response:
@@ -1223,8 +1232,12 @@ class SimulatorApp:
         )
         prompt = ChatPrompt(ids, inputs.tools, inputs.kwargs, last_role, calls)
         self._rendered[key] = prompt
-        if len(self._rendered) > 4096:
-            self._rendered.popitem(last=False)
+        self._rendered_tokens += len(ids)
+        # Bounded by the ids it holds (a 200K-token prompt's are ~7 MB as a list): a miss costs a render and the
+        # ids of the new pieces only (ModelTokenizer.encode_rendered).
+        while len(self._rendered) > 4096 or self._rendered_tokens > RENDERED_CACHE_TOKENS:
+            _, old = self._rendered.popitem(last=False)
+            self._rendered_tokens -= len(old.ids)
         return prompt
 
     def _completion_prompt_ids(self, body: dict) -> list[int]:
