@@ -38,7 +38,10 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class Plan:
+class PrefillPlan:
+    """Where a request's prompt is prefilled: on its decode engine (aggregated), on a prefill engine whose KV the
+    decode engine pulls (disaggregated), or pulled from a peer that holds it (peer_pull)."""
+
     kind: str  # "aggregated", "disaggregated" or "peer_pull"
     prefill: EndpointInfo | None = None
     uncached_tokens: int = 0
@@ -55,39 +58,39 @@ def uncached_tokens(deployment: DeploymentInfo, ctx: RequestContext, endpoint_id
 
 def plan_disaggregated(
     deployment: DeploymentInfo, ctx: RequestContext, decode: Candidate, prefill_choice
-) -> Plan:
+) -> PrefillPlan:
     """Split when the decode endpoint would recompute at least the threshold; `prefill_choice()` picks the
     prefill endpoint with the prefill pool's scorers, or returns None when none is available."""
     if not ctx.prompt_tokens_estimate or not any(e.role in PREFILL_ROLES for e in deployment.endpoints):
-        return Plan("aggregated")
+        return PrefillPlan("aggregated")
     uncached = uncached_tokens(deployment, ctx, decode.endpoint.id)
     if uncached < deployment.policy.pd_split_threshold_tokens:
-        return Plan("aggregated", uncached_tokens=uncached)
+        return PrefillPlan("aggregated", uncached_tokens=uncached)
     prefill = prefill_choice()
     if prefill is None:
-        return Plan("aggregated", uncached_tokens=uncached)
-    return Plan("disaggregated", prefill.endpoint, uncached)
+        return PrefillPlan("aggregated", uncached_tokens=uncached)
+    return PrefillPlan("disaggregated", prefill.endpoint, uncached)
 
 
 def plan_peer_pull(
     deployment: DeploymentInfo, ctx: RequestContext, chosen: Candidate, candidates: list[Candidate]
-) -> Plan:
+) -> PrefillPlan:
     """Pull from the longest-prefix holder when load moved the request elsewhere and pulling saves enough."""
     holders = set(ctx.held) | set(ctx.approx_held)
     if not chosen.endpoint.kv_both or not holders:
-        return Plan("aggregated")
+        return PrefillPlan("aggregated")
     by_id = {c.endpoint.id: c for c in candidates}
     holder_id = max(holders, key=lambda e: blocks_held(ctx, e))
     holder = by_id.get(holder_id)
     if holder is None or holder_id == chosen.endpoint.id or not holder.endpoint.kv_both:
-        return Plan("aggregated")
+        return PrefillPlan("aggregated")
     saved = (blocks_held(ctx, holder_id) - blocks_held(ctx, chosen.endpoint.id)) * deployment.block_size
     if saved < deployment.policy.pd_split_threshold_tokens:
-        return Plan("aggregated")
+        return PrefillPlan("aggregated")
     # Waiting for the holder is the other option: take it when the holder is not actually busier.
     if holder.load.active + holder.load.waiting <= chosen.load.active + chosen.load.waiting:
-        return Plan("aggregated")
-    return Plan("peer_pull", holder.endpoint, uncached_tokens(deployment, ctx, chosen.endpoint.id))
+        return PrefillPlan("aggregated")
+    return PrefillPlan("peer_pull", holder.endpoint, uncached_tokens(deployment, ctx, chosen.endpoint.id))
 
 
 def prefill_body(payload: dict) -> bytes:

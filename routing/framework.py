@@ -88,7 +88,7 @@ class ScorerEntry:
 
 
 @dataclass(frozen=True, slots=True)
-class Plan:
+class ModePlugins:
     """A mode's plugins by kind, in the order listed, as the pipeline runs them."""
 
     filters: tuple[Filter, ...]
@@ -112,7 +112,7 @@ class Registry:
         self.steps: dict[str, Step] = {}
         self.tie_breaks: dict[str, TieBreak] = {}
         self.modes: dict[str, tuple[str, ...]] = {}
-        self.plans: dict[str, Plan] = {}
+        self.plans: dict[str, ModePlugins] = {}
 
     def filter(self, name: str, plugin: Filter) -> None:
         self._add(self.filters, name, plugin)
@@ -171,7 +171,7 @@ class Registry:
         weight_of = {e.key: e.weight for e in self.scorers.values()}
         affinity = self.affinity
         self.plans = {
-            mode: Plan(
+            mode: ModePlugins(
                 filters=tuple(self.filters[n] for n in names if n in self.filters),
                 scorers=tuple(
                     (self.scorers[n].key, self.scorers[n].scorer) for n in names if n in self.scorers
