@@ -40,7 +40,8 @@ from .checks import (
     read_body,
     refuse_remote_media,
 )
-from .dialects import ANTHROPIC, OPENAI, RESPONSES, Dialect, RenderError, first_media_part
+from .conversion import RenderError, first_media_part
+from .dialects import ANTHROPIC, OPENAI, RESPONSES, Dialect
 from .engine_errors import refusal, route_missing_body
 from .finisher import Finisher
 from .flow import FlowControl

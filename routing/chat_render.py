@@ -323,7 +323,7 @@ def _shared_prefix(new: list, old: list) -> int:
 
 class Conversions:
     """A per-message conversion's results as last computed, reused for the leading messages equal to last
-    time's: `map` is the conversions' `each` (routing/dialects.py)."""
+    time's: `map` is the conversions' `each` (routing/conversion.py)."""
 
     def __init__(self, items: list | None = None, results: list | None = None):
         self.items, self.results = items or [], results or []

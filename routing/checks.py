@@ -14,7 +14,8 @@ from weakref import WeakKeyDictionary
 import orjson
 
 from . import metrics
-from .dialects import ANTHROPIC, Dialect, first_media_part
+from .conversion import first_media_part
+from .dialects import ANTHROPIC, Dialect
 from .fields import FieldError, public_fields, remote_media
 from .flow import CLASSES as PRIORITY_CLASSES
 from .pipeline import RequestContext

@@ -18,7 +18,7 @@ from redis.exceptions import RedisError
 from . import metrics
 from .affinity import ApproximateIndex, SessionMap
 from .blocks import PromptKeyCache, chain_seed
-from .dialects import RenderError
+from .conversion import RenderError
 from .loop_lag import late_by
 from .pipeline import Candidate, RequestContext
 from .prefix_health import PrefixHealth

@@ -22,7 +22,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from .chat_render import Conversation, Conversations, Ineligible, MessageLoop, SplitTemplate
-from .dialects import (
+from .conversion import (
     ChatInputs,
     RenderError,
     TemplateTraits,

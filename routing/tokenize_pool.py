@@ -24,7 +24,7 @@ from itertools import islice
 
 import orjson
 
-from .dialects import RenderError
+from .conversion import RenderError
 from .shared_tokens import Sharing
 from .tokenize import RESPONSES, RouterTokenizer
 

@@ -23,7 +23,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from routing.dialects import (
+from routing.conversion import (
     ChatInputs,
     RenderError,
     anthropic_chat_request,
@@ -782,7 +782,7 @@ class SimulatorApp:
         return _json_response(exc.body(), exc.status)
 
     def _responses_prompt(self, call: responses_api.ResponsesCall) -> ChatPrompt:
-        """The prompt of a Responses request: the chat request it becomes (routing.dialects, shared with the
+        """The prompt of a Responses request: the chat request it becomes (routing.conversion, shared with the
         router), rendered as chat is."""
         body = call.body
         if body.get("input") == []:
@@ -1204,7 +1204,7 @@ class SimulatorApp:
 
     def _chat_prompt(self, body: dict, choice=None) -> ChatPrompt:
         """A chat request's prompt token ids and what its template saw, rendered from the request's chat inputs
-        (routing.dialects.chat_inputs, the router's own conversion) and cached by them: agents and benchmarks
+        (routing.conversion.chat_inputs, the router's own conversion) and cached by them: agents and benchmarks
         resend the same context over and over."""
         exclude_tools = self.model.exclude_tools_when_tool_choice_none and choice == "none"
         fields = ("messages", "tools", "add_generation_prompt", "continue_final_message")

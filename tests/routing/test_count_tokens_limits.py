@@ -12,7 +12,7 @@ import orjson
 import pytest
 from django.conf import settings
 
-from routing.dialects import RenderError
+from routing.conversion import RenderError
 from routing.prefix import PrefixRouting
 from routing.redis_pool import router_redis
 from routing.tokenize import RouterTokenizer

@@ -16,8 +16,8 @@ from serving.models import ModelDeployment
 
 from ..serving.engines import MODEL_NAME
 from .conftest import make_fleet
-from .test_engine_errors import HostileEngine
 from .test_checks import key_info
+from .test_engine_errors import HostileEngine
 
 METADATA = "http://169.254.169.254/latest/meta-data/iam/security-credentials/"
 INLINE = "data:image/png;base64,iVBORw0KGgo="

@@ -9,7 +9,7 @@ import copy
 import httpx
 import pytest
 
-from routing.dialects import RenderError
+from routing.conversion import RenderError
 from routing.tokenize import RouterTokenizer
 
 from ..serving.engines import MODEL_DIR, MODEL_NAME

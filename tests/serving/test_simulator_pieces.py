@@ -8,7 +8,7 @@ import random
 import pytest
 
 from bench import agent_scale
-from routing.dialects import anthropic_chat_request, chat_inputs, responses_chat_request
+from routing.conversion import anthropic_chat_request, chat_inputs, responses_chat_request
 from routing.tokenize import template_traits
 from serving.simulator.tokenizer import ModelTokenizer
 
