@@ -5,7 +5,8 @@ are reserve-then-settle; concurrency slots are leases (`ROUTER_CONCURRENCY_LEASE
 replica (`Admission.renew_leases`) for at most `CONCURRENCY_MAX_HOLD_S`; an expired slot's id stays uncounted for
 `UNSETTLED_RETAIN_S`, so a settlement replayed from the usage journal applies at most once. See
 docs/routing.md#failures-timeouts-and-metering.
-"""
+
+Over 400 lines: the scripts and the Python that builds their arguments are one contract and change together."""
 
 from __future__ import annotations
 

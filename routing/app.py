@@ -1,13 +1,15 @@
 """The data plane: an ASGI app serving /v1 for agents.
 
-authenticate the key -> admit (quotas, budgets) -> pick an endpoint -> stream the engine's answer through
--> settle the reservation and emit one usage event. Django's request machinery stays off this path; the only
+check the request -> admit it (quotas, budgets) -> place it (tokenise, score, pick an engine) -> serve it
+(stream the engine's answer through, settle the reservation and emit one usage event). Django's request machinery stays off this path; the only
 state it reads per request is in memory (the snapshot) and in Redis (admission).
 
-This module is the app: the routes, the life cycle and the snapshot refresh. A request is checked in
-routing/checks.py, admitted in routing/generation.py and served in routing/exchange.py; endpoint load is kept in
-routing/load.py. See docs/routing.md#the-request-path.
-"""
+This module is the app: the routes, the life cycle and the snapshot refresh. A generation request's four steps are
+routing/generation.py, with the checks of routing/checks.py and the exchange of routing/exchange.py; endpoint load
+is kept in routing/load.py. See docs/routing.md#the-request-path.
+
+Over 400 lines: the routes other than generation (models, count_tokens, metrics, health) and the replica's life
+cycle share the Router's state."""
 
 from __future__ import annotations
 

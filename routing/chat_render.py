@@ -7,7 +7,9 @@ message is rendered on its own, and what a message rendered to last turn is reus
 neighbours its text depends on and everything else the template saw are unchanged. The result is exactly the
 template's own: a template whose loop might depend on more (a namespace it writes, the loop's length, anything
 hidden) is rendered whole, and a test renders both ways over many conversations and compares them.
-"""
+
+Over 400 lines: cutting a template's message loop out and rendering it message by message is one algorithm whose
+parts rely on each other's checks of what the template reads."""
 
 from __future__ import annotations
 

@@ -1,6 +1,9 @@
 """A generation request from bytes to checked fields, as pure functions: authentication against the snapshot,
 reading and parsing the body, the deployment it names, the fields sent on to the engine, and the limits checked
-before admission (with the token bounds the reservation takes). Each refusal is an HttpError."""
+before admission (with the token bounds the reservation takes). Each refusal is an HttpError.
+
+Over 400 lines: one check per field the router acts on, each with the message that says what to fix; `validate`
+reads them in order."""
 
 from __future__ import annotations
 

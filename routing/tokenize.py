@@ -3,7 +3,9 @@
 Agents resend a growing context every turn. The rendered chat is cut at the template's special tokens (which the
 tokenizer never merges with their neighbours), and each piece's token ids are cached, so a new turn costs work in
 proportion to its new text, and the ids equal those of tokenising the whole text at once, as the engine does.
-"""
+
+Over 400 lines: the template's loading and the tokenizer's caches (pieces, recent texts, the ids shared through
+Redis) are one object's state."""
 
 from __future__ import annotations
 

@@ -2,7 +2,10 @@
 protocol.py, ResponsesRequest's validators; serving.py, _create_responses), the request as the chat request it
 renders as (utils.py, construct_input_messages and construct_tool_dicts; tool_parsers/utils.py,
 get_function_tools), and the Response object and stream events it answers with (protocol.py,
-ResponsesResponse.from_request; streaming_events.py, the simple streaming processor)."""
+ResponsesResponse.from_request; streaming_events.py, the simple streaming processor).
+
+Over 400 lines: one API as vLLM serves it: its checks, its conversion and its events follow the same
+source files and change together."""
 
 from __future__ import annotations
 

@@ -4,7 +4,10 @@ Tool calls: with a tool-call parser and tools, a request whose tool_choice is "r
 gets a call of that function (or of the first tool); with "auto", a conversation whose last message is the user's
 gets a call of the first tool, unless it already holds `tool_calls_per_conversation` calls (so an agent that
 answers each call with a new user turn, as Claude Code does for its background sub-agents, comes to an end);
-the call's arguments are its schema's required properties with simple values. Anything else gets text."""
+the call's arguments are its schema's required properties with simple values. Anything else gets text.
+
+Over 400 lines: one class per vLLM server, as vLLM's own routes share its engine, tokenizer and options; the
+shapes each route answers with are in their own modules (errors, responses, fields)."""
 
 from __future__ import annotations
 
