@@ -1,6 +1,7 @@
 """Admission control in Redis, atomic across router replicas.
 
-One Lua script checks every limit of the team and of the key, and only if all pass records the request. Budgets
+One Lua script checks every limit (a row of tenants/limits.py) of every scope a request counts against (its
+tenant's ceilings, its team's quota, its key's), and only if all pass records the request. Budgets
 are reserve-then-settle; concurrency slots are leases (`ROUTER_CONCURRENCY_LEASE_SECONDS`) renewed by the admitting
 replica (`Admission.renew_leases`) for at most `CONCURRENCY_MAX_HOLD_S`; an expired slot's id stays uncounted for
 `UNSETTLED_RETAIN_S`, so a settlement replayed from the usage journal applies at most once. See
