@@ -722,7 +722,7 @@ class Engine:
             "replay_endpoint": f"tcp://*:{self.replay_port}",
             "topic": "kv-events",
         }
-        argv = [PYTHON, "-m", "serving.simulator", "--model", str(ROOT / "models" / MODEL)]
+        argv = [PYTHON, "-m", "simulator", "--model", str(ROOT / "models" / MODEL)]
         argv += ["--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(self.port)]
         argv += ["--block-size", str(BLOCK), "--num-gpu-blocks-override", str(self.kv_blocks)]
         argv += ["--max-model-len", str(MAX_MODEL_LEN), "--enable-prompt-tokens-details"]

@@ -394,7 +394,7 @@ class Engine:
         self.proc = None
 
     def start(self, procs: h.Processes) -> None:
-        argv = [PYTHON, "-m", "serving.simulator", "--model", str(ROOT / "models" / MODEL)]
+        argv = [PYTHON, "-m", "simulator", "--model", str(ROOT / "models" / MODEL)]
         argv += ["--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(self.port)]
         argv += ["--block-size", str(BLOCK), "--max-num-seqs", str(self.slots), "--max-model-len", "32768"]
         argv += ["--enable-prompt-tokens-details", *sim_timing(self.slots)]

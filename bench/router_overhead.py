@@ -207,7 +207,7 @@ class Gateway:
 
 def start_simulator(procs: Processes) -> tuple[subprocess.Popen, int]:
     port = free_port()
-    argv = [PYTHON, "-m", "serving.simulator", "--model", str(ROOT / "models" / MODEL)]
+    argv = [PYTHON, "-m", "simulator", "--model", str(ROOT / "models" / MODEL)]
     argv += ["--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port)]
     proc = procs.start("simulator", argv, core=CLIENT_CORE)
     wait_until(lambda: http_get(port, "/health") == 200, proc, "simulator", 120)
@@ -586,7 +586,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--upstream",
         choices=("simulator", "replay"),
         default="simulator",
-        help="simulator: serving.simulator with no decode time; replay: bench/replay_upstream.py replaying "
+        help="simulator: simulator with no decode time; replay: bench/replay_upstream.py replaying "
         "the simulator's answer to the request our router sends it (running usage in every chunk), captured "
         "once (cheaper, for when the simulator is the bottleneck)",
     )

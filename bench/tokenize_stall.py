@@ -219,7 +219,7 @@ def against_router(sizes: list[int]) -> list[str]:
     ]
     with Processes() as procs:
         port = free_port()
-        argv = [PYTHON, "-m", "serving.simulator", "--model", str(ROOT / "models" / MODEL)]
+        argv = [PYTHON, "-m", "simulator", "--model", str(ROOT / "models" / MODEL)]
         argv += ["--served-model-name", MODEL, "--port", str(port), "--decode-time", str(DECODE_TIME_S)]
         sim = procs.start("stall-simulator", argv, core=None)
         wait_until(lambda: http_get(port, "/health") == 200, sim, "simulator", 120)

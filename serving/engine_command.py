@@ -66,7 +66,7 @@ def _local_path(value: str) -> str:
 
 def _program(deployment: ModelDeployment) -> list[str]:
     if deployment.engine_kind == EngineKind.SIM:
-        return [sys.executable, "-m", "serving.simulator"]
+        return [sys.executable, "-m", "simulator"]
     return [str(settings.ENGINE_PYTHON), "-m", "vllm.entrypoints.openai.api_server"]
 
 

@@ -3,7 +3,7 @@
 A model loaded with `--load-format dummy` writes noise, so an agent on it (Claude Code, Codex) never gets a tool
 call to run, and the path a real model's calls take (vLLM's tool-call parser, the router, the CLI running the tool and
 sending its result back) goes untested on the real engine. With this processor the engine plays the simulator's
-model (serving/simulator/server.py): a conversation that offers tools and whose last message is the user's gets a
+model (simulator/server.py): a conversation that offers tools and whose last message is the user's gets a
 call of the first tool, its arguments the schema's required properties with simple values
 (serving/engine_plugins/tool_arguments.py), until the conversation holds `PLATFORM_TOOL_CALLS_PER_CONVERSATION`
 calls (default 2); every other answer is left to the model. The call is written in the Hermes format the tiny

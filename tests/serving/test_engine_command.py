@@ -125,7 +125,7 @@ def test_it_runs_the_simulator_with_the_same_flags_and_its_model_s_own():
     for name in ("PYTHONPATH", "PLATFORM_ANSWER_LENGTH", "PLATFORM_TOOL_CALLS_PER_CONVERSATION"):
         vllm.env.pop(name)
     sim = render_engine_command(deployment=deployment(engine_kind="sim"), pool=pool(), ports=PORTS)
-    assert sim.argv[:3] == [sys.executable, "-m", "serving.simulator"]
+    assert sim.argv[:3] == [sys.executable, "-m", "simulator"]
     own = ["--answer-length", "317", "--tool-calls-per-conversation", "2"]
     at = sim.argv.index("--answer-length")
     assert sim.argv[at : at + 4] == own
@@ -381,7 +381,7 @@ def test_vllms_own_argument_parser_takes_every_familys_flags():
 
 
 PARSE_AND_SIZE = (
-    "import sys; from serving.simulator.__main__ import parser, cpu_offload_blocks; "
+    "import sys; from simulator.__main__ import parser, cpu_offload_blocks; "
     "args = parser().parse_args(sys.argv[1:]); print('parsed', cpu_offload_blocks(args))"
 )
 

@@ -454,7 +454,7 @@ def test_without_a_tool_parser_tools_are_refused_as_vllm_refuses_them(engine_wit
 @pytest.mark.parametrize("kind", ["sim", "vllm"])
 def test_auto_tool_choice_without_a_parser_fails_at_start_up(kind):
     argv = (
-        [sys.executable, "-m", "serving.simulator"]
+        [sys.executable, "-m", "simulator"]
         if kind == "sim"
         else [str(ENGINE_PYTHON), "-m", "vllm.entrypoints.openai.api_server"]
     )

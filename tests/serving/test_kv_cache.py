@@ -2,7 +2,7 @@
 
 import pytest
 
-from serving.simulator.kv_cache import Allocation, BlockPool, CpuTier, block_hashes, external_hash
+from simulator.kv_cache import Allocation, BlockPool, CpuTier, block_hashes, external_hash
 
 pytestmark = pytest.mark.unit  # pure functions: no database, Redis or process (make test-unit)
 

@@ -476,7 +476,7 @@ def test_it_takes_vllms_tool_and_template_flags(tmp_path):
 )
 def test_it_refuses_to_start_as_vllm_does(flags, error):
     ran = subprocess.run(
-        [sys.executable, "-m", "serving.simulator", "--model", str(MODEL_DIR), *flags],
+        [sys.executable, "-m", "simulator", "--model", str(MODEL_DIR), *flags],
         capture_output=True,
         text=True,
         timeout=60,

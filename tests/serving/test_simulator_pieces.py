@@ -10,7 +10,7 @@ import pytest
 from bench import agent_scale
 from routing.conversion import anthropic_chat_request, chat_inputs, responses_chat_request
 from routing.tokenize import template_traits
-from serving.simulator.tokenizer import ModelTokenizer
+from simulator.tokenizer import ModelTokenizer
 
 from .engines import MODEL_DIR
 

@@ -1,4 +1,4 @@
-"""`python -m serving.simulator`: serve a model folder with vLLM's command-line flags and interfaces."""
+"""`python -m simulator`: serve a model folder with vLLM's command-line flags and interfaces."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from .metrics import EngineMetrics
 from .server import ServedModel, SideChannel, SimulatorApp, remote_puller
 from .tokenizer import ModelTokenizer
 
-log = logging.getLogger("serving.simulator")
+log = logging.getLogger("simulator")
 
 # vLLM flags that change nothing in a simulation; accepted so one command line serves either engine.
 IGNORED_VALUE_FLAGS = [
@@ -66,7 +66,7 @@ def json_arg(text: str) -> dict:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m serving.simulator", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m simulator", description=__doc__)
     p.add_argument("--model", required=True, help="model folder (config and tokenizer)")
     p.add_argument("--tokenizer", help="tokenizer folder; defaults to --model")
     p.add_argument("--served-model-name", nargs="+", help="names clients use; defaults to --model")
