@@ -202,6 +202,9 @@ STORAGES = {
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 LOGIN_URL = "admin:login"
+# Where a sign-in without a `next` lands (the portal's, the admin's or the browsable API's form): the portal's home,
+# which sends operators to the fleet and everyone else to their teams.
+LOGIN_REDIRECT_URL = "portal:home"
 
 # Sign-in throttling for the admin, the portal and the browsable API's forms, and POST /api/auth/token/
 # (django-axes): after AXES_FAILURE_LIMIT failed sign-ins for one username from one client address, that pair is

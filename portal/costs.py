@@ -36,6 +36,7 @@ class PoolCost:
     name: str
     accelerator: str
     price_per_gpu_hour: Decimal | None  # None: no price configured for this accelerator
+    currency: str  # the price's
     gpus: int  # per replica
     engines: int  # engines that ran in the period
     gpu_hours: Decimal  # measured: each engine's GPUs x the hours it ran in the period
@@ -49,15 +50,21 @@ class CostToServe:
     hours: Decimal
     pools: list[PoolCost]
     gpu_cost: Decimal
+    currency: str  # the GPU prices' currency; empty when they are in several
     fresh_input_tokens: int
     cached_input_tokens: int
     output_tokens: int
     billed: Decimal  # what the ledger charged for these tokens
+    billed_currency: str  # the ledger's currency for them; empty when several
     weights: tuple[Decimal, Decimal, Decimal]
     weights_from: str
     per_mtok: tuple[Decimal, Decimal, Decimal] | None  # fresh input, cached input, output
     price_sheet: PriceSheet | None
     commercial: list[CommercialPrice]
+
+    @property
+    def stale_commercial(self) -> list[CommercialPrice]:
+        return [price for price in self.commercial if price.is_stale]
 
 
 def _hours(period: Period, now: datetime) -> Decimal:
@@ -66,7 +73,7 @@ def _hours(period: Period, now: datetime) -> Decimal:
 
 
 def _pool_costs(
-    deployment: ModelDeployment, period: Period, now: datetime, prices: dict[str, Decimal]
+    deployment: ModelDeployment, period: Period, now: datetime, prices: dict[str, AcceleratorPrice]
 ) -> list[PoolCost]:
     """GPU-hours and their cost per pool (and accelerator), from the lifetimes that overlap the period."""
     end = min(period.end, now)
@@ -85,17 +92,31 @@ def _pool_costs(
         per_pool.setdefault((pool.name, pool.accelerator), [pool.gpus_per_replica, 0, Decimal(0)])
     rows = []
     for (name, accelerator), (gpus, engines, gpu_hours) in sorted(per_pool.items()):
-        price = prices.get(accelerator)
+        known = prices.get(accelerator)
+        price, currency = (known.price_per_gpu_hour, known.currency) if known else (None, "")
         rows.append(
-            PoolCost(name, accelerator or "(none)", price, gpus, engines, gpu_hours, (price or 0) * gpu_hours)
+            PoolCost(
+                name,
+                accelerator or "(none)",
+                price,
+                currency,
+                gpus,
+                engines,
+                gpu_hours,
+                (price or 0) * gpu_hours,
+            )
         )
     return rows
+
+
+def _one(currencies: set[str]) -> str:
+    return next(iter(currencies)) if len(currencies) == 1 else ""
 
 
 def cost_to_serve(*, access: Access, deployment: ModelDeployment, period: Period) -> CostToServe:
     now = timezone.now()
     hours = _hours(period, now)
-    prices = {p.accelerator: p.price_per_gpu_hour for p in AcceleratorPrice.objects.all()}
+    prices = {p.accelerator: p for p in AcceleratorPrice.objects.all()}
     pools = _pool_costs(deployment, period, now, prices)
     gpu_cost = sum((p.cost for p in pools), Decimal(0))
     rows = [
@@ -128,10 +149,12 @@ def cost_to_serve(*, access: Access, deployment: ModelDeployment, period: Period
         hours=hours,
         pools=pools,
         gpu_cost=gpu_cost,
+        currency=_one({p.currency for p in pools if p.price_per_gpu_hour is not None}),
         fresh_input_tokens=prompt - cached,
         cached_input_tokens=cached,
         output_tokens=output,
         billed=sum((r.cost for r in rows), Decimal(0)),
+        billed_currency=_one({r.currency for r in rows}),
         weights=weights,
         weights_from=weights_from,
         per_mtok=per_mtok,

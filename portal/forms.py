@@ -6,7 +6,7 @@ from django.utils import timezone
 
 from serving.models import EngineKind, ModelDeployment
 from tenants.access import TENANT_DEACTIVATED, Access
-from tenants.billing import GROUPS, PERIODS
+from tenants.billing import GROUPS, PERIODS, group_label
 from tenants.entitlements import TEAM_ADMIN_FIELDS
 from tenants.models import PRIORITY_RANK, PriorityClass, Scope, Team
 
@@ -27,7 +27,7 @@ class ReportForm(forms.Form):
     )
     since = forms.DateTimeField(required=False, help_text="Custom: from (UTC).")
     until = forms.DateTimeField(required=False, help_text="Custom: until, exclusive (UTC).")
-    group_by = forms.ChoiceField(choices=[(g, g.title()) for g in GROUPS], initial="team")
+    group_by = forms.ChoiceField(choices=[(g, group_label(g)) for g in GROUPS], initial="team")
 
 
 class KeyCreateForm(forms.Form):

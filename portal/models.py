@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 from django.core.validators import MinValueValidator
 from django.db import models
+from django.utils import timezone
+
+# A list price older than this is flagged where it is shown: commercial prices change every few months.
+PRICE_STALE_AFTER = timedelta(days=90)
 
 
 class AcceleratorPrice(models.Model):
@@ -25,7 +31,8 @@ class AcceleratorPrice(models.Model):
 
 
 class CommercialPrice(models.Model):
-    """A commercial API's list price per million tokens, shown for comparison. Keep it current."""
+    """A commercial API's list price per million tokens, shown for comparison. Keep it current:
+    `manage.py update_commercial_prices FILE` (portal/prices.py)."""
 
     name = models.CharField(max_length=100, unique=True)
     input_per_mtok = models.DecimalField(max_digits=12, decimal_places=6, validators=[MinValueValidator(0)])
@@ -41,3 +48,7 @@ class CommercialPrice(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    @property
+    def is_stale(self) -> bool:
+        return timezone.now().date() - self.as_of > PRICE_STALE_AFTER

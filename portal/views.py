@@ -281,6 +281,7 @@ def _quota_usage(team, quotas) -> list[dict]:
                         row_label(limit, quota.budget_period, quota.currency),
                         getattr(quota, limit.field),
                         used[limit.field],
+                        limit.money,
                     )
                     for limit in LIMITS
                 ],
@@ -482,6 +483,12 @@ def reports(request):
     by_day = usage_report(access=access, period=period, group_by="day")
     by_team = usage_report(access=access, period=period, group_by="team")
     by_model = usage_report(access=access, period=period, group_by="model")
+    # Beside any grouping, the same usage by the class it was served in (unless that is the grouping).
+    by_class = (
+        None
+        if group_by == "priority_class"
+        else usage_report(access=access, period=period, group_by="priority_class")
+    )
     charts = [
         column_chart(_day_series(by_day, period, "cost"), title="Cost per day", unit="USD"),
         column_chart(
@@ -494,7 +501,13 @@ def reports(request):
     return render(
         request,
         "portal/reports.html",
-        {"form": form, "report": report, "charts": charts, "query": request.GET.urlencode()},
+        {
+            "form": form,
+            "report": report,
+            "by_class": by_class,
+            "charts": charts,
+            "query": request.GET.urlencode(),
+        },
     )
 
 

@@ -1,4 +1,5 @@
-"""Billing reports: usage and cost for any period, grouped by tenant, team, key, model, deployment or day.
+"""Billing reports: usage and cost for any period, grouped by tenant, team, key, model, deployment, priority class
+or day.
 
 A report reads the daily roll-ups (UsageDaily) for whole UTC days and the ledger (UsageRecord) for the rest:
 the partial days at either end of the period, and records the roll-up has not reached yet (ids above its
@@ -21,11 +22,21 @@ from django.db.models.functions import TruncDate
 from django.utils import timezone
 
 from .access import Access
-from .models import ApiKey, Team, Tenant, UsageDaily, UsageRecord, UsageRollupState, UsageStatus
+from .models import (
+    PRIORITY_RANK,
+    ApiKey,
+    PriorityClass,
+    Team,
+    Tenant,
+    UsageDaily,
+    UsageRecord,
+    UsageRollupState,
+    UsageStatus,
+)
 from .periods import period_bounds
 from .pricing import COST_QUANTUM
 
-GROUPS = ("tenant", "team", "key", "model", "deployment", "day")
+GROUPS = ("tenant", "team", "key", "model", "deployment", "priority_class", "day")
 PERIODS = ("day", "week", "month", "custom")
 _EXACT = Context(prec=60)
 # Records rolled up per transaction: keeps the table lock that makes the watermark safe short.
@@ -100,6 +111,15 @@ class Report:
     rows: list[ReportRow]
     totals: list[ReportRow]  # one per currency
 
+    @property
+    def group_label(self) -> str:
+        return group_label(self.group_by)
+
+
+def group_label(group_by: str) -> str:
+    """A grouping as people read it: "Team", "Priority class"."""
+    return group_by.replace("_", " ").capitalize()
+
 
 METRICS = ("requests", "errors", "input_tokens", "cached_input_tokens", "output_tokens", "cost")
 
@@ -113,6 +133,7 @@ def usage_report(
     team_id: int | None = None,
     api_key_id: int | None = None,
     model: str | None = None,
+    priority_class: str | None = None,
 ) -> Report:
     """Usage and cost in `period` that `access` may see, one row per group and currency."""
     if group_by not in GROUPS:
@@ -124,6 +145,7 @@ def usage_report(
             ("team_id", team_id),
             ("api_key_id", api_key_id),
             ("model", model),
+            ("priority_class", priority_class),
         )
         if value not in (None, "")
     }
@@ -133,7 +155,7 @@ def usage_report(
             key = key.date()
         row = merged.setdefault((key, currency), ReportRow(key=key, label="", currency=currency))
         row.add(*values)
-    rows = sorted(merged.values(), key=lambda r: (r.currency, _sort_key(r.key)))
+    rows = sorted(merged.values(), key=lambda r: (r.currency, _sort_key(r.key, group_by)))
     _label(rows, group_by)
     totals: dict[str, ReportRow] = {}
     for row in rows:
@@ -142,7 +164,9 @@ def usage_report(
     return Report(period=period, group_by=group_by, rows=rows, totals=list(totals.values()))
 
 
-def _sort_key(key) -> tuple:
+def _sort_key(key, group_by: str) -> tuple:
+    if group_by == "priority_class":  # in the order they are served, then requests metered before classes
+        return (key not in PRIORITY_RANK, PRIORITY_RANK.get(key, 0))
     return (key is None, str(key) if not isinstance(key, int) else f"{key:020d}")
 
 
@@ -230,8 +254,8 @@ def _ledger_sums(records: QuerySet, group_by: str) -> QuerySet:
 def _group_expr(group_by: str, *, daily: bool):
     if group_by == "day":
         return F("day") if daily else TruncDate("created_at", tzinfo=UTC)
-    if group_by == "model":
-        return F("model")
+    if group_by in ("model", "priority_class"):
+        return F(group_by)
     column = {"tenant": "tenant_id", "team": "team_id", "key": "api_key_id", "deployment": "deployment_id"}
     return F(column[group_by])
 
@@ -251,6 +275,8 @@ def _label(rows: list[ReportRow], group_by: str) -> None:
         from serving.models import ModelDeployment
 
         names = {d.id: d.name for d in ModelDeployment.objects.filter(id__in=ids)}
+    elif group_by == "priority_class":
+        names = {**dict(PriorityClass.choices), "": "(not recorded)"}
     else:
         names = {}
     for row in rows:
@@ -280,14 +306,14 @@ def money_text(amount: Decimal) -> str:
 # Roll-ups ---------------------------------------------------------------------------------------------
 
 _ROLLUP_SQL = f"""
-INSERT INTO {UsageDaily._meta.db_table} (day, tenant_id, team_id, api_key_id, deployment_id, model, currency,
-                     requests, errors, prompt_tokens, cached_prompt_tokens, output_tokens, cost)
-SELECT (created_at AT TIME ZONE 'UTC')::date, tenant_id, team_id, api_key_id, deployment_id, model, currency,
-       count(*), count(*) FILTER (WHERE status <> %s), sum(prompt_tokens), sum(cached_prompt_tokens),
+INSERT INTO {UsageDaily._meta.db_table} (day, tenant_id, team_id, api_key_id, deployment_id, model, priority_class,
+                     currency, requests, errors, prompt_tokens, cached_prompt_tokens, output_tokens, cost)
+SELECT (created_at AT TIME ZONE 'UTC')::date, tenant_id, team_id, api_key_id, deployment_id, model, priority_class,
+       currency, count(*), count(*) FILTER (WHERE status <> %s), sum(prompt_tokens), sum(cached_prompt_tokens),
        sum(output_tokens), sum(cost)
 FROM {UsageRecord._meta.db_table}
 WHERE id > %s AND id <= %s
-GROUP BY 1, 2, 3, 4, 5, 6, 7
+GROUP BY 1, 2, 3, 4, 5, 6, 7, 8
 ON CONFLICT ON CONSTRAINT usage_daily_one_row_per_group DO UPDATE SET
     requests = {UsageDaily._meta.db_table}.requests + EXCLUDED.requests,
     errors = {UsageDaily._meta.db_table}.errors + EXCLUDED.errors,
@@ -351,6 +377,7 @@ __all__ = [
     "PeriodError",
     "Report",
     "ReportRow",
+    "group_label",
     "period_parse",
     "money_text",
     "report_csv_rows",

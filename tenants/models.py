@@ -673,7 +673,7 @@ class AuditLog(models.Model):
 
 
 class UsageDaily(models.Model):
-    """Usage records summed per UTC day and per (tenant, team, key, deployment, model, currency).
+    """Usage records summed per UTC day and per (tenant, team, key, deployment, model, priority class, currency).
 
     Written only by the roll-up (tenants/billing.py), which adds every record up to the watermark in
     `UsageRollupState` exactly once; billing reports read these rows for whole days and the ledger for the
@@ -686,6 +686,9 @@ class UsageDaily(models.Model):
     api_key = models.ForeignKey(ApiKey, on_delete=models.PROTECT, related_name="+")
     deployment_id = models.BigIntegerField(null=True, blank=True)
     model = models.CharField(max_length=200)
+    priority_class = models.CharField(
+        max_length=12, choices=PriorityClass.choices, blank=True, default="", db_default=""
+    )
     currency = models.CharField(max_length=3)
     requests = models.BigIntegerField(default=0)
     errors = models.BigIntegerField(default=0, help_text="Requests that failed or were cancelled.")
@@ -698,7 +701,16 @@ class UsageDaily(models.Model):
         ordering = ["day"]
         constraints = [
             models.UniqueConstraint(
-                fields=["day", "tenant", "team", "api_key", "deployment_id", "model", "currency"],
+                fields=[
+                    "day",
+                    "tenant",
+                    "team",
+                    "api_key",
+                    "deployment_id",
+                    "model",
+                    "priority_class",
+                    "currency",
+                ],
                 nulls_distinct=False,
                 name="usage_daily_one_row_per_group",
             ),

@@ -24,6 +24,7 @@ from ..billing import (
     report_csv_rows,
     usage_report,
 )
+from ..models import PriorityClass
 
 
 class ReportQuerySerializer(serializers.Serializer):
@@ -36,6 +37,9 @@ class ReportQuerySerializer(serializers.Serializer):
     team = serializers.IntegerField(required=False, min_value=1)
     key = serializers.IntegerField(required=False, min_value=1)
     model = serializers.CharField(required=False, max_length=200)
+    priority_class = serializers.ChoiceField(
+        choices=PriorityClass.choices, required=False, help_text="Only the requests served in this class."
+    )
 
 
 class ReportRowSerializer(serializers.Serializer):
@@ -82,6 +86,7 @@ def report_from_query(request, params) -> Report:
         team_id=q.get("team"),
         api_key_id=q.get("key"),
         model=q.get("model"),
+        priority_class=q.get("priority_class"),
     )
 
 
@@ -104,7 +109,7 @@ def csv_response(report: Report) -> HttpResponse:
 
 
 class UsageReportView(APIView):
-    """Usage and cost for a period grouped by tenant, team, key, model, deployment or day.
+    """Usage and cost for a period grouped by tenant, team, key, model, deployment, priority class or day.
 
     Totals (one per currency) equal the sums of the usage records the caller can see in the period.
     """

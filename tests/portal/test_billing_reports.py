@@ -31,6 +31,7 @@ record_st = st.fixed_dictionaries(
         "cost": st.decimals(min_value=0, max_value=Decimal("99.99999999"), places=8),
         "model": st.sampled_from(["tiny-qwen", "big-qwen"]),
         "status": st.sampled_from(["completed", "completed", "failed", "cancelled"]),
+        "priority_class": st.sampled_from(["interactive", "standard", "batch", ""]),
     }
 )
 
@@ -63,6 +64,7 @@ def _insert(world, specs, tag: str) -> list[UsageRecord]:
                 cost=spec["cost"],
                 model=spec["model"],
                 status=spec["status"],
+                priority_class=spec["priority_class"],
             )
         )
     return records
@@ -83,6 +85,7 @@ def _expected(records, period: Period, group_by: str, visible_teams: set[int]) -
         "tenant": lambda r: r.tenant_id,
         "key": lambda r: r.api_key_id,
         "model": lambda r: r.model,
+        "priority_class": lambda r: r.priority_class,
         "day": lambda r: r.created_at.astimezone(UTC).date(),
     }[group_by]
     for r in records:
@@ -122,7 +125,7 @@ def _actual(report) -> dict:
     before=st.lists(record_st, max_size=12),
     after=st.lists(record_st, max_size=6),
     choice=period_st,
-    group_by=st.sampled_from(["team", "tenant", "key", "model", "day"]),
+    group_by=st.sampled_from(["team", "tenant", "key", "model", "priority_class", "day"]),
     viewer=st.sampled_from(["operator", "admin_a", "team_admin_a1", "admin_b"]),
 )
 def test_report_equals_the_ledger_whatever_is_rolled_up(world, before, after, choice, group_by, viewer):

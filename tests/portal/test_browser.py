@@ -182,6 +182,6 @@ def test_operator_signs_in_creates_a_key_runs_a_report_and_watches_live_traffic(
     assert flow.locator("td[data-col=tenant]").inner_text() == "acme"
     assert flow.locator("td[data-col=queued]").inner_text() == "3"
     assert flow.locator("td[data-col=dispatches]").inner_text() == "5"
-    assert flow.locator("td[data-col=wait_ms_max]").inner_text() == "400"
+    assert flow.locator("td[data-col=wait_ms_max]").inner_text() == "400 ms"
     usage_redis().delete(queue_key)
     page.screenshot(path=OUTPUT / "portal-live.png", full_page=True)

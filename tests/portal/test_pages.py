@@ -123,7 +123,7 @@ def test_team_page_shows_quota_use_now(world, browser):
     world.quota_a1.save()
     page = browser(world.team_admin_a1).get(f"/portal/teams/{world.team_a1.pk}/")
     quota = page.context["quotas"][0]
-    limits = {name: (limit, used) for name, limit, used in quota["limits"]}
+    limits = {name: (limit, used) for name, limit, used, _ in quota["limits"]}
     # The router's admission counters: nothing went through admission here (the fixture's record is ledger only).
     assert limits["Tokens this month"] == (100_000, 0)
     assert limits["Requests per minute"][0] == 60
@@ -207,8 +207,9 @@ def test_cost_to_serve_shows_every_input(world, browser):
     )
     assert cost.per_mtok[2] == cost.gpu_cost * Decimal("1.5") / weighted * 1_000_000
     html = page.content.decode()
-    for text in ("nvidia-h100-80gb", "2.500000", "OpenAI GPT-4.1", "Anthropic Claude Sonnet 4"):
+    for text in ("nvidia-h100-80gb", "$2.50", "OpenAI GPT-4.1", "Anthropic Claude Sonnet 4"):
         assert text in html
+    assert '<td id="gpu-cost" class="num">$75.00</td>' in html
 
 
 def test_the_deployment_page_flags_blind_prefix_routing(world, browser):
@@ -234,7 +235,10 @@ def test_the_deployment_page_flags_blind_prefix_routing(world, browser):
         page = browser(world.operator).get(f"/portal/deployments/{deployment.pk}/").content.decode()
     finally:
         client.delete(KEY.format(deployment.pk, minute), BLIND_KEY.format(deployment.pk))
-    assert "7040 / 18560 (0.38)" in page and "Routing is partly blind" in page
+    assert (
+        '7,040 / <span title="18,560">18.6K</span> (37.9%)' in page
+        and "predicted 37.9% of the cached tokens" in page
+    )
     assert (
         "image: 3" in page and "Endpoint 12 cannot be indexed: the engine stores blocks of 16 tokens" in page
     )
