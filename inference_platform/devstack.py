@@ -367,7 +367,6 @@ def serve(env: dict[str, str]) -> int:
     # Engines run in sessions of their own (they outlive worker restarts): stop any left by an earlier run
     # that ended abruptly, and again at the end.
     stop_engines = [python, "manage.py", "shell", "--no-imports", "-c", STOP_ENGINES]
-    stop_all_engines(stop_engines, env)
     celery = [python, "-m", "celery", "-A", "inference_platform", "--quiet"]  # no start-up banner
     commands = {
         # The web side: admin, API, portal and the portal's live-traffic WebSocket (ASGI, uvicorn workers).
@@ -412,9 +411,13 @@ def serve(env: dict[str, str]) -> int:
         # The KV-event ingester: keeps the prefix-cache index in Redis from the engines' events.
         "kv-ingester": [python, "manage.py", "run_kv_ingester"],
     }
-    children = [start_child(name, command, env) for name, command in commands.items()]
+    # Ctrl-C at any point from here on stops what has started and still shows the demo's credentials.
+    children: list[subprocess.Popen] = []
     shown = interrupted = False
     try:
+        stop_all_engines(stop_engines, env)
+        for name, command in commands.items():
+            children.append(start_child(name, command, env))
         demo_waiter = subprocess.Popen(
             [
                 python,
@@ -461,7 +464,7 @@ def serve(env: dict[str, str]) -> int:
                 child.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 child.kill()
-        for child, name in zip(children, commands, strict=True):
+        for child, name in zip(children, commands, strict=False):  # those started, in order
             if not interrupted and child.returncode not in (0, -signal.SIGTERM):
                 print(
                     f"devstack: {name} exited with {child.returncode}; see {logs_dir() / name}.log",
