@@ -112,7 +112,15 @@ def _offloading_connector(pool: Pool, kv_role: str) -> dict:
 
 
 def _nixl_connector(kv_role: str) -> dict:
-    return {"kv_connector": KvConnector.NIXL.value, "kv_role": kv_role, "kv_buffer_device": "cpu"}
+    """NIXL, with a failed pull recomputed: vLLM's default ("fail") ends the client's request with an error when
+    its KV cannot be read from the prefill engine (a handshake past its 5 s limit, a peer gone); recomputing costs
+    the decode engine that prefill and nothing else."""
+    return {
+        "kv_connector": KvConnector.NIXL.value,
+        "kv_role": kv_role,
+        "kv_buffer_device": "cpu",
+        "kv_load_failure_policy": "recompute",
+    }
 
 
 def kv_transfer_config(pool: Pool) -> dict | None:

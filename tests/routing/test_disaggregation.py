@@ -310,9 +310,13 @@ def test_real_vllm_prefill_and_decode_over_nixl_through_the_router(router_proces
     prefill, decode = vllm_pd
     fleet = pd_fleet(router_process, [prefill], [decode])
     request_id, chunks = stream_chat(fleet, LONG, max_tokens=8)
-    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    seen = (
+        f"last events: {chunks[-3:]}\nrouter: {fleet.router.log()[-2000:]}\n"
+        f"prefill: {prefill.log()[-2000:]}\ndecode: {decode.log()[-3000:]}"
+    )
+    assert "choices" in chunks[-1] and chunks[-1]["choices"][0]["finish_reason"] == "length", seen
     assert sum(1 for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content") is not None) >= 1
-    assert transfers(decode) == 1, decode.log()[-2000:]
+    assert transfers(decode) == 1, seen
     assert decode.metrics().get("vllm:nixl_num_failed_transfers_total", 0) == 0
     assert requests_served(prefill) == 1
     usage_events([request_id], wait_for=1)

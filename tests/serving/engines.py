@@ -117,7 +117,12 @@ def engine_flags(
         }
         flags += ["--kv-events-config", json.dumps(config)]
     if nixl_role is not None:
-        transfer = {"kv_connector": "NixlConnector", "kv_role": nixl_role, "kv_buffer_device": "cpu"}
+        transfer = {
+            "kv_connector": "NixlConnector",
+            "kv_role": nixl_role,
+            "kv_buffer_device": "cpu",
+            "kv_load_failure_policy": "recompute",  # as the platform renders it
+        }
         flags += ["--kv-transfer-config", json.dumps(transfer)]
     return flags
 

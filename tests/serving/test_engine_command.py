@@ -165,6 +165,7 @@ def test_it_renders_the_nixl_connector_per_role(role, kv_role):
         "kv_connector": "NixlConnector",
         "kv_role": kv_role,
         "kv_buffer_device": "cpu",
+        "kv_load_failure_policy": "recompute",
     }
     assert command.env == {
         **DUMMY_WEIGHTS_ENV,
@@ -221,7 +222,12 @@ def test_it_renders_the_multi_connector_as_nixl_then_cpu_offload(role, kv_role):
         "kv_role": kv_role,
         "kv_connector_extra_config": {
             "connectors": [
-                {"kv_connector": "NixlConnector", "kv_role": kv_role, "kv_buffer_device": "cpu"},
+                {
+                    "kv_connector": "NixlConnector",
+                    "kv_role": kv_role,
+                    "kv_buffer_device": "cpu",
+                    "kv_load_failure_policy": "recompute",
+                },
                 {
                     "kv_connector": "OffloadingConnector",
                     "kv_role": kv_role,
