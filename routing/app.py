@@ -49,7 +49,7 @@ from .finisher import Finisher
 from .flow import FlowControl
 from .generation import generate
 from .intake import ClientStalled, Intake
-from .load import EndpointLoad, trade_loads
+from .load import EndpointLoad, LoadTrade
 from .load_scraper import LOAD_KEY
 from .loop_lag import LoopLag
 from .pipeline import Pipeline
@@ -80,6 +80,7 @@ class Router:
         self.prefix: PrefixRouting | None = None
         self.redis = None
         self.admission: Admission | None = None
+        self.trade_loads: LoadTrade | None = None
         self.upstream: UpstreamPool | None = None
         self.finisher: Finisher | None = None
         self._started: asyncio.Future | None = None
@@ -124,6 +125,7 @@ class Router:
             try:
                 self.redis = router_redis(settings.REDIS_URL, settings.ROUTER_REDIS_MAX_CONNECTIONS)
                 self.admission = Admission(self.redis)
+                self.trade_loads = LoadTrade(self.redis)
                 self.prefix = PrefixRouting(self.redis)
                 self.finisher = Finisher(self.redis, self.admission)
                 self.upstream = UpstreamPool(self.connect_timeout)
@@ -187,8 +189,8 @@ class Router:
         if not endpoints:
             return
         stale, self._stale_loads = self._stale_loads, {}
-        self._stale_loads = await trade_loads(
-            self.redis, LOAD_KEY, endpoints, self.loads, self.replica_id, stale
+        self._stale_loads = await self.trade_loads(
+            LOAD_KEY, endpoints, self.loads, self.replica_id, stale
         )
         # The fair shares across replicas, and the queues, which the new loads may let through.
         await self.flow.share(self.redis, self.replica_id)

@@ -155,49 +155,83 @@ def others_load(published: dict, replica_id: str, now: float) -> OthersLoad:
     )
 
 
-async def trade_loads(
-    redis,
-    scraped_key: str,
-    endpoints: list[EndpointInfo],
-    loads: dict[int, EndpointLoad],
-    replica_id: str,
-    stale: dict[str, list[bytes]],
-) -> dict[str, list[bytes]]:
-    """Read the engines' scraped load (the hashes `scraped_key` names, routing/load_scraper.py) into `loads`,
-    and trade this replica's own load per endpoint with the other replicas' (a hash per endpoint, a field per
-    replica), so each one's load guard sees all of it. A replica with nothing there withdraws its field.
-    `stale`: fields of replicas that died, seen at the last trade, deleted now; returns those seen at this one."""
-    now, wall = time.monotonic(), time.time()
-    async with redis.pipeline(transaction=False) as pipe:
+# One round trip per trade, whatever the number of endpoints: for each endpoint (KEYS: its scraped hash, then its
+# replica hash) the scraped hash, and this replica's field set (ARGV value not "") or withdrawn ("") before the
+# replica hash is read back. ARGV: replica id, TTL, then one value per endpoint. Fields of replicas gone are
+# deleted by HDEL commands in the same pipeline.
+TRADE = """
+local replica, ttl = ARGV[1], tonumber(ARGV[2])
+local out = {}
+for i = 1, #KEYS, 2 do
+  local mine = KEYS[i + 1]
+  local value = ARGV[2 + (i + 1) / 2]
+  if value ~= "" then
+    redis.call("HSET", mine, replica, value)
+  else
+    redis.call("HDEL", mine, replica)
+  end
+  redis.call("EXPIRE", mine, ttl)
+  out[#out + 1] = redis.call("HGETALL", KEYS[i])
+  out[#out + 1] = redis.call("HGETALL", mine)
+end
+return out
+"""
+
+
+def _hash(flat: list) -> dict:
+    return dict(zip(flat[::2], flat[1::2], strict=True))
+
+
+class LoadTrade:
+    """The trade of `trade_loads`, as one script call per trade."""
+
+    def __init__(self, redis):
+        self.redis = redis
+        self._script = redis.register_script(TRADE)
+
+    async def __call__(
+        self,
+        scraped_key: str,
+        endpoints: list[EndpointInfo],
+        loads: dict[int, EndpointLoad],
+        replica_id: str,
+        stale: dict[str, list[bytes]],
+    ) -> dict[str, list[bytes]]:
+        """Read the engines' scraped load (the hashes `scraped_key` names, routing/load_scraper.py) into `loads`,
+        and trade this replica's own load per endpoint with the other replicas' (a hash per endpoint, a field per
+        replica), so each one's load guard sees all of it. A replica with nothing there withdraws its field.
+        `stale`: fields of replicas that died, seen at the last trade, deleted now; returns those seen at this
+        one."""
+        now, wall = time.monotonic(), time.time()
+        keys: list[str] = []
+        args: list = [replica_id, replica_share.TTL_S]
         for endpoint in endpoints:
-            pipe.hgetall(scraped_key.format(endpoint.id))
-            key = REPLICA_LOAD_KEY.format(endpoint.id)
+            keys += (scraped_key.format(endpoint.id), REPLICA_LOAD_KEY.format(endpoint.id))
             load = loads.get(endpoint.id)
             own = load.own(now) if load is not None else 0.0
-            # In flight: what it has sent there and the slots flow control reserved there for requests about to be.
+            # In flight: what it has sent there and the slots flow control reserved for requests about to be.
             taken = load.active + load.reserved if load is not None else 0
             if load is not None and (taken or own > 0.01):
-                pipe.hset(
-                    key,
-                    replica_id,
-                    f"{own:.3f} {taken} {wall:.3f} {load.prefill_left(now):.0f}",
-                )
+                args.append(f"{own:.3f} {taken} {wall:.3f} {load.prefill_left(now):.0f}")
             else:
-                pipe.hdel(key, replica_id)
-            pipe.expire(key, replica_share.TTL_S)
-            pipe.hgetall(key)
-        for key, fields in stale.items():
-            pipe.hdel(key, *fields)
-        replies = await pipe.execute()
-    seen: dict[str, list[bytes]] = {}
-    for index, endpoint in enumerate(endpoints):
-        row, published = replies[4 * index], replies[4 * index + 3]
-        load = loads.setdefault(endpoint.id, EndpointLoad())
-        load.running = float(row.get(b"running", 0))
-        load.waiting = float(row.get(b"waiting", 0))
-        load.kv_usage = float(row.get(b"kv_usage", 0))
-        others = others_load(published, replica_id, wall)
-        load.others, load.others_active, load.others_prefill = others.load, others.active, others.prefill
-        if others.stale:
-            seen[REPLICA_LOAD_KEY.format(endpoint.id)] = others.stale
-    return seen
+                args.append("")
+        if stale:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for key, fields in stale.items():
+                    pipe.hdel(key, *fields)
+                await self._script(keys=keys, args=args, client=pipe)
+                replies = (await pipe.execute())[-1]
+        else:
+            replies = await self._script(keys=keys, args=args)
+        seen: dict[str, list[bytes]] = {}
+        for index, endpoint in enumerate(endpoints):
+            row, published = _hash(replies[2 * index]), _hash(replies[2 * index + 1])
+            load = loads.setdefault(endpoint.id, EndpointLoad())
+            load.running = float(row.get(b"running", 0))
+            load.waiting = float(row.get(b"waiting", 0))
+            load.kv_usage = float(row.get(b"kv_usage", 0))
+            others = others_load(published, replica_id, wall)
+            load.others, load.others_active, load.others_prefill = others.load, others.active, others.prefill
+            if others.stale:
+                seen[REPLICA_LOAD_KEY.format(endpoint.id)] = others.stale
+        return seen

@@ -9,7 +9,7 @@ import time
 from django.conf import settings
 
 from routing.app import Router
-from routing.load import REPLICA_LOAD_KEY, EndpointLoad, others_load
+from routing.load import REPLICA_LOAD_KEY, EndpointLoad, LoadTrade, others_load
 from routing.pipeline import Candidate
 from routing.redis_pool import router_redis
 from routing.replica_share import MAX_AGE_S
@@ -30,6 +30,7 @@ def replica() -> Router:
     """One router replica's state on the real Redis, with a two-endpoint snapshot (no server around it)."""
     router = Router()
     router.redis = router_redis(settings.REDIS_URL, 4)
+    router.trade_loads = LoadTrade(router.redis)
     router.snapshot = snapshot()
     return router
 
