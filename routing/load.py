@@ -155,7 +155,7 @@ def others_load(published: dict, replica_id: str, now: float) -> OthersLoad:
     )
 
 
-# One round trip per trade, whatever the number of endpoints: for each endpoint (KEYS: its scraped hash, then its
+# The load trade: one round trip, whatever the number of endpoints: for each endpoint (KEYS: its scraped hash, then its
 # replica hash) the scraped hash, and this replica's field set (ARGV value not "") or withdrawn ("") before the
 # replica hash is read back. ARGV: replica id, TTL, then one value per endpoint. Fields of replicas gone are
 # deleted by HDEL commands in the same pipeline.
@@ -183,7 +183,7 @@ def _hash(flat: list) -> dict:
 
 
 class LoadTrade:
-    """The trade of `trade_loads`, as one script call per trade."""
+    """The replicas' load trade through Redis, one script call (TRADE) per trade."""
 
     def __init__(self, redis):
         self.redis = redis
