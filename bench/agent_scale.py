@@ -39,7 +39,7 @@ Measured per phase:
   so in bursts warm requests are over-counted and cold ones under-counted (`alone` says how much was exact). Classes:
   cold (the replica did not serve the conversation's previous request), warm (it did), new (a sub-agent's or a
   compacted conversation's first request: only the shared system prompt and tools are old);
-- event-loop stall: the router's own probe (`router_event_loop_lag_seconds`, a 10 ms timer), its histogram over
+- event-loop stall: the router's own probe (`router_event_loop_lag_seconds`, a 20 ms timer), its histogram over
   the phase (p99 and max as bucket bounds) and its worst-lag gauge;
 - lookup fallbacks, late-loop retries and predicted / reported cached tokens from each replica's /metrics;
 - TTFT at the client (to the first content event), and its p50 / p99 less the direct phase's;
@@ -1197,7 +1197,7 @@ def report(args, argv: list[str], phases: list[Phase], notes: list[str], started
         "the replica did not serve the conversation's previous request (unseen: nor any of its requests in this "
         "phase, as every agent's first); warm: it did; new: a sub-agent's or a compacted conversation's first "
         "request. Whole trees: the replicas' CPU over the phase (idle work included) over requests.",
-        "- Loop lag: the router's probe (`router_event_loop_lag_seconds`, a 10 ms timer) over the phase, as bucket "
+        "- Loop lag: the router's probe (`router_event_loop_lag_seconds`, a 20 ms timer) over the phase, as bucket "
         "bounds; max is the lesser of its bucket bound and the worst-lag gauge. TTFT: at the client, to the first "
         "content event; added: less the direct phase's (agents straight to an engine by session).",
         "",

@@ -68,7 +68,7 @@ added = Histogram(
 )
 loop_lag = Histogram(
     "router_event_loop_lag_seconds",
-    "How late the event loop ran a 10 ms probe timer (routing/loop_lag.py): what every request waited then.",
+    "How late the event loop ran a 20 ms probe timer (routing/loop_lag.py): what every request waited then.",
     buckets=ADDED_BUCKETS + (0.5, 1, 2.5),
     registry=registry,
 )
