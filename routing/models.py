@@ -6,9 +6,19 @@ from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 from django.db.models import Q
 
-from .plugins import REGISTRY
-
 unit_interval = [MinValueValidator(0.0), MaxValueValidator(1.0)]
+
+
+# The policy's fields that weigh a scorer: each is named by one scorer's registration (routing/plugins.py), and the
+# database holds them to at least 0. Kept here, not read off the registry, so the model and its migrations depend on
+# nothing registered at run time; a test holds the two equal.
+SCORER_WEIGHT_FIELDS = (
+    "prefix_weight",
+    "queue_weight",
+    "prefill_backlog_weight",
+    "kv_utilization_weight",
+    "session_affinity_weight",
+)
 
 
 class RoutingMode(models.TextChoices):
@@ -91,7 +101,7 @@ class RoutingPolicy(models.Model):
         verbose_name_plural = "routing policies"
         constraints = [
             models.CheckConstraint(
-                condition=Q(**{f"{weight}__gte": 0 for weight in REGISTRY.weight_fields}),
+                condition=Q(**{f"{weight}__gte": 0 for weight in SCORER_WEIGHT_FIELDS}),
                 name="routing_policy_weights_not_negative",
                 violation_error_message="Scorer weights cannot be negative.",
             ),

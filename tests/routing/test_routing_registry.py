@@ -12,7 +12,7 @@ from routing.admin import RoutingPolicyAdmin
 from routing.api.serializers import RoutingPolicySerializer
 from routing.framework import REGISTRY, Registry
 from routing.load import EndpointLoad
-from routing.models import RoutingMode, RoutingPolicy, policy_fields
+from routing.models import SCORER_WEIGHT_FIELDS, RoutingMode, RoutingPolicy, policy_fields
 from routing.pipeline import Pipeline, RequestContext
 from routing.snapshot import NO_POLICY, DeploymentInfo, EndpointInfo, PolicyInfo, load_snapshot
 from serving.models import DesiredStatus, ModelDeployment
@@ -98,6 +98,8 @@ def test_every_mode_the_database_allows_is_registered_and_every_weight_is_a_poli
     assert {mode.value for mode in RoutingMode} <= set(REGISTRY.modes)
     names = [f.name for f in policy_fields()]
     assert set(REGISTRY.weight_fields) <= set(names)
+    # The database's check covers every weight.
+    assert set(REGISTRY.weight_fields) == set(SCORER_WEIGHT_FIELDS)
     # The admin lists the registered weights; the API carries every field the router reads.
     assert set(REGISTRY.weight_fields) <= set(RoutingPolicyAdmin.list_display)
     assert RoutingPolicySerializer.Meta.fields == ["id", "deployment", *names, "updated_at"]
