@@ -8,7 +8,8 @@ import logging
 from django.conf import settings
 from django.db import transaction
 
-CONFIG_VERSION_KEY = "platform:config:version"
+from routing.contracts import CONFIG_VERSION_KEY
+
 log = logging.getLogger(__name__)
 
 

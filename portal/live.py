@@ -5,7 +5,7 @@ committed, so every recent request is in one or the other (or both, counted once
 
 Flow control (routing/flow.py) per deployment, by priority class and tenant: the requests waiting in the
 routers now (each router replica publishes its queue in the hash `flow:queue:<deployment id>`, a field per
-replica; a replica's entry gone stale is left out, routing/replica_share.py), and from the window's usage events
+replica; a replica's entry gone stale is left out, routing/contracts.py), and from the window's usage events
 the dispatches (the requests not rejected) and the wait in the queue (`queued_ms`, of every request that has one:
 a rejected request waited its class's whole limit).
 """
@@ -19,8 +19,7 @@ from datetime import UTC, datetime, timedelta
 
 import redis
 
-from routing.flow import QUEUE_KEY, read_queue
-from routing.replica_share import others_fields
+from routing.contracts import QUEUE_KEY, others_fields, read_queue
 from serving.models import ModelDeployment
 from tenants.models import PRIORITY_RANK, Tenant, UsageRecord, UsageStatus
 from tenants.usage_stream import FIELD, MalformedEvent, UsageEvent, stream_key, usage_redis

@@ -40,18 +40,13 @@ from dataclasses import dataclass, field
 
 import orjson
 
-from . import metrics, replica_share
+from . import metrics
+from .contracts import QUEUE_KEY, SERVED_KEY, TTL_S, others_queued, others_work
 from .filters import slot_limit
 from .load import EndpointLoad
 from .snapshot import DECODE_ROLES, DeploymentInfo, KeyInfo
 
 CLASSES = ("interactive", "standard", "batch")  # dispatch order (tenants.models.PRIORITY_RANK)
-SERVED_KEY = (
-    "flow:served:{}"  # a hash per deployment: a field per replica, its decayed work per tenant and team
-)
-# A hash per deployment: a field per replica, its queue (read by the portal):
-# {"at": unix seconds, "saturated": bool, "queued": [[class, tenant id, count], ...]}.
-QUEUE_KEY = "flow:queue:{}"
 # How long a replica leaves a free turn to a waiter at another replica that comes first (two trades of loads).
 HOLD_S = 0.2
 # Output tokens expected of a request before the deployment has finished any (then the running mean).
@@ -571,7 +566,7 @@ class FlowControl:
                     pipe.hset(key, replica_id, orjson.dumps({"at": wall, "work": served}))
                 else:
                     pipe.hdel(key, replica_id)
-                pipe.expire(key, replica_share.TTL_S)
+                pipe.expire(key, TTL_S)
                 work_read = len(pipe)
                 pipe.hgetall(key)
                 queue_key = QUEUE_KEY.format(flow.deployment.id)
@@ -582,7 +577,7 @@ class FlowControl:
                         "queued": flow.queued_by(),
                     }
                     pipe.hset(queue_key, replica_id, orjson.dumps(state))
-                    pipe.expire(queue_key, replica_share.TTL_S)
+                    pipe.expire(queue_key, TTL_S)
                 else:
                     pipe.hdel(queue_key, replica_id)
                 reads.append((work_read, len(pipe)))
@@ -593,36 +588,3 @@ class FlowControl:
             flow.others = others_work(published, replica_id, wall, self.window_s)
             flow.queued_elsewhere = others_queued(queues, replica_id, wall)
             self.wake(flow)
-
-
-def read_queue(raw: bytes) -> tuple[float, tuple[bool, dict[tuple[str, int], int]]]:
-    """A replica's published queue (QUEUE_KEY): its unix time, and whether the replica finds the deployment
-    saturated and the requests waiting there per (class, tenant id)."""
-    data = orjson.loads(raw)
-    at = float(data["at"])
-    queued: dict[tuple[str, int], int] = {}
-    for priority, tenant, count in data["queued"]:
-        group = (str(priority), int(tenant))
-        queued[group] = queued.get(group, 0) + int(count)
-    return at, (bool(data.get("saturated")), queued)
-
-
-def others_queued(published: dict, replica_id: str, wall: float) -> set[tuple[str, int]]:
-    """(class, tenant id) of what waits at the other replicas, from their published queues."""
-    fresh, _ = replica_share.others_fields(published, replica_id, wall, read_queue)
-    return {group for _, (_, queued) in fresh for group, count in queued.items() if count}
-
-
-def _read_work(raw: bytes) -> tuple[float, dict[str, float]]:
-    data = orjson.loads(raw)
-    return float(data["at"]), {str(who): float(work) for who, work in data["work"].items()}
-
-
-def others_work(published: dict, replica_id: str, wall: float, tau: float) -> dict[str, float]:
-    """The other replicas' decayed work per tenant ("t<id>") and team ("m<id>"), decayed to now."""
-    total: dict[str, float] = {}
-    for age, work in replica_share.others_fields(published, replica_id, wall, _read_work)[0]:
-        factor = math.exp(-max(0.0, age) / tau)
-        for who, value in work.items():
-            total[who] = total.get(who, 0.0) + value * factor
-    return total

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import msgpack
 
 from routing.blocks import block_keys, chain_seed
-from routing.prefix_index import endpoint_map_key
+from routing.contracts import endpoint_map_key
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +46,13 @@ return n
 """
 
 
+# Items (an operation's code, keys and values) in one APPLY_WRITES call: a few milliseconds of Redis's time.
+FLUSH_ITEMS = 20_000
+OP_ITEMS = {"h": 4, "d": 3, "x": 2}
+
+
 class Writes:
-    """Index writes queued in order, sent to Redis in one script call."""
+    """Index writes queued in order, sent to Redis in script calls of bounded size."""
 
     def __init__(self, redis):
         self.ops: list[str] = []
@@ -63,9 +68,19 @@ class Writes:
         self.ops += ("x", key)
 
     def flush(self) -> None:
-        if self.ops:
-            ops, self.ops = self.ops, []
-            self._script(args=[msgpack.packb(ops, use_bin_type=False)])
+        """In calls of at most FLUSH_ITEMS items: a script holds Redis for as long as it runs, and one carrying an
+        engine's replayed buffer (or a whole endpoint's entries to drop) ran for seconds, every admission and
+        lookup meanwhile refused with BUSY."""
+        ops, self.ops = self.ops, []
+        start = 0
+        while len(ops) - start > FLUSH_ITEMS:
+            end = start
+            while end - start < FLUSH_ITEMS:
+                end += OP_ITEMS[ops[end]]  # whole operations only
+            self._script(args=[msgpack.packb(ops[start:end], use_bin_type=False)])
+            start = end
+        if start < len(ops):
+            self._script(args=[msgpack.packb(ops[start:], use_bin_type=False)])
 
 
 def engine_hash(value: int | bytes) -> int:

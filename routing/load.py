@@ -9,18 +9,14 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
-from . import replica_share
+from .contracts import REPLICA_LOAD_KEY, TTL_S, others_load
 from .snapshot import EndpointInfo
 
 RECENT_WINDOW_S = 5.0
 # Prefills shorter than this do not teach the prefill speed: their time is mostly the engine's fixed overhead.
 RATE_SAMPLE_TOKENS = 2048
 SERVED_WINDOW_S = 30.0
-
-# A hash per endpoint, a field per replica: "<own load> <in flight> <unix time> <prefill backlog>".
-REPLICA_LOAD_KEY = "endpoint:replica-load:{}"
 
 
 @dataclass(eq=False, slots=True)
@@ -130,31 +126,6 @@ class EndpointLoad:
         return self._recent * math.exp(-(now - self._recent_at) / window_s)
 
 
-class OthersLoad(NamedTuple):
-    load: float  # their weighted load (EndpointLoad.own) there
-    active: int  # their requests in flight there
-    prefill: float  # their prefill backlog there, in uncached prompt tokens
-    # Fields to delete: older than replica_share.MAX_AGE_S (a replica that died) or unreadable.
-    stale: list[bytes]
-
-
-def _read_load(raw: bytes) -> tuple[float, tuple[float, int, float]]:
-    weighted, in_flight, at, backlog = raw.split()
-    return float(at), (float(weighted), int(in_flight), float(backlog))
-
-
-def others_load(published: dict, replica_id: str, now: float) -> OthersLoad:
-    """What the other replicas have at an endpoint, from their fields in its hash (REPLICA_LOAD_KEY)."""
-    fresh, stale = replica_share.others_fields(published, replica_id, now, _read_load)
-    loads = [value for _, value in fresh]
-    return OthersLoad(
-        sum((load for load, _, _ in loads), 0.0),
-        sum(active for _, active, _ in loads),
-        sum((prefill for _, _, prefill in loads), 0.0),
-        stale,
-    )
-
-
 # The load trade: one round trip, whatever the number of endpoints: for each endpoint (KEYS: its scraped hash, then its
 # replica hash) the scraped hash, and this replica's field set (ARGV value not "") or withdrawn ("") before the
 # replica hash is read back. ARGV: replica id, TTL, then one value per endpoint. Fields of replicas gone are
@@ -204,7 +175,7 @@ class LoadTrade:
         one."""
         now, wall = time.monotonic(), time.time()
         keys: list[str] = []
-        args: list = [replica_id, replica_share.TTL_S]
+        args: list = [replica_id, TTL_S]
         for endpoint in endpoints:
             keys += (scraped_key.format(endpoint.id), REPLICA_LOAD_KEY.format(endpoint.id))
             load = loads.get(endpoint.id)

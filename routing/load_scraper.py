@@ -13,9 +13,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from serving.models import Endpoint, Health
 
+from .contracts import LOAD_KEY, LOAD_TTL_S
+
 log = logging.getLogger(__name__)
-LOAD_KEY = "endpoint:load:{}"
-LOAD_TTL_S = 10
 
 # vLLM metric name (as the parser reports the family) -> field in the Redis hash
 FIELDS = {

@@ -129,14 +129,6 @@ return #lapsed
 """
 
 
-def block_hash_key(deployment_id: int, block_key: str) -> str:
-    return f"px:{deployment_id}:{block_key}"
-
-
-def endpoint_map_key(endpoint_id: int) -> str:
-    return f"pxe:{endpoint_id}"
-
-
 @dataclass(frozen=True, slots=True)
 class Held:
     """How many of a prompt's leading blocks an endpoint holds, by tier."""

@@ -24,9 +24,10 @@ from pathlib import Path
 
 import redis
 
+from .contracts import SHARED_TOKENS_PREFIX
+
 log = logging.getLogger(__name__)
 
-KEY_PREFIX = "tok"
 WARN_EVERY_S = 60.0
 
 
@@ -85,7 +86,7 @@ class SharedPieces:
         ttl_s: int,
     ):
         self.client = client
-        self.prefix = f"{KEY_PREFIX}:{fingerprint}:"
+        self.prefix = f"{SHARED_TOKENS_PREFIX}:{fingerprint}:"
         self.min_piece_chars = min_piece_chars
         self.min_request_chars = min_request_chars
         self.ttl_s = ttl_s

@@ -38,6 +38,8 @@ from datetime import timedelta
 from django.conf import settings
 from django.utils import timezone
 
+from routing.contracts import AUTOSCALE_HISTORY_KEY, AUTOSCALE_RECOMMENDATIONS_KEY
+
 from .models import (
     AutoscalingPolicy,
     Endpoint,
@@ -52,7 +54,6 @@ log = logging.getLogger(__name__)
 
 # Within this share of a latency objective, a pool is held at its replicas (no scale-down).
 LATENCY_HOLD = 0.8
-RECOMMENDATIONS_KEY = "autoscale:recs:{}"
 # The growth of demand is fitted over the passes of this last stretch, and needs this many (this pass's included).
 TREND_WINDOW_S = 30.0
 TREND_MIN_SAMPLES = 4
@@ -75,7 +76,6 @@ _T95 = (
     1.753,
 )
 # Each pass's replicas and signals per pool, newest first, for the portal's charts (an hour at 5 s a pass).
-HISTORY_KEY = "autoscale:history:{}"
 HISTORY_LENGTH = 720
 
 
@@ -221,8 +221,7 @@ def latency_p90s(deployment_id: int, window_s: float) -> tuple[float | None, flo
 def pool_signals(redis, pool: Pool, latency: tuple[float | None, float | None, int]) -> Signals:
     """The pool's signals: the engines' scraped load and the routers' published loads (Redis), and the
     deployment's latency p90s (`latency`, from `latency_p90s`)."""
-    from routing.load import REPLICA_LOAD_KEY, others_load
-    from routing.load_scraper import LOAD_KEY
+    from routing.contracts import LOAD_KEY, REPLICA_LOAD_KEY, others_load
 
     endpoints = list(
         Endpoint.objects.filter(pool=pool, health=Health.HEALTHY, draining_since__isnull=True).values_list(
@@ -282,7 +281,7 @@ def _trend(redis, pool_id: int, signals: Signals, now: float) -> Trend:
     TREND_WINDOW_S."""
     recent = []
     # Newest first: the passes of the window are at the head (passes come every few seconds or faster).
-    for item in redis.lrange(HISTORY_KEY.format(pool_id), 0, 127):
+    for item in redis.lrange(AUTOSCALE_HISTORY_KEY.format(pool_id), 0, 127):
         sample = json.loads(item)
         if now - sample["t"] > TREND_WINDOW_S:
             break
@@ -326,7 +325,7 @@ def autoscale_all(redis=None) -> list[ScalingEvent]:
         trend = _trend(redis, pool.pk, signals, now)
         startup = startup_seconds(pool)
         recommendation = recommend(policy, pool.replicas, signals, trend, startup)
-        key = RECOMMENDATIONS_KEY.format(pool.pk)
+        key = AUTOSCALE_RECOMMENDATIONS_KEY.format(pool.pk)
         keep = max(policy.scale_up_window_s, policy.scale_down_window_s)
         with redis.pipeline(transaction=False) as pipe:
             pipe.zadd(key, {f"{now:.3f}:{recommendation.replicas}": now})
@@ -338,9 +337,9 @@ def autoscale_all(redis=None) -> list[ScalingEvent]:
         target = stabilise(history, now, pool.replicas, policy.scale_up_window_s, policy.scale_down_window_s)
         sample = {"t": round(now, 3), "replicas": target, **asdict(signals)}
         with redis.pipeline(transaction=False) as pipe:
-            pipe.lpush(HISTORY_KEY.format(pool.pk), json.dumps(sample))
-            pipe.ltrim(HISTORY_KEY.format(pool.pk), 0, HISTORY_LENGTH - 1)
-            pipe.expire(HISTORY_KEY.format(pool.pk), 86_400)
+            pipe.lpush(AUTOSCALE_HISTORY_KEY.format(pool.pk), json.dumps(sample))
+            pipe.ltrim(AUTOSCALE_HISTORY_KEY.format(pool.pk), 0, HISTORY_LENGTH - 1)
+            pipe.expire(AUTOSCALE_HISTORY_KEY.format(pool.pk), 86_400)
             pipe.execute()
         if target == pool.replicas:
             continue
@@ -366,4 +365,4 @@ def autoscale_all(redis=None) -> list[ScalingEvent]:
 
 def pool_history(redis, pool_id: int) -> list[dict]:
     """The pool's recent passes, oldest first: time, replicas, and the signals read (for the portal)."""
-    return [json.loads(item) for item in reversed(redis.lrange(HISTORY_KEY.format(pool_id), 0, -1))]
+    return [json.loads(item) for item in reversed(redis.lrange(AUTOSCALE_HISTORY_KEY.format(pool_id), 0, -1))]

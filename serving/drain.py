@@ -33,8 +33,7 @@ def in_flight(redis, endpoint: Endpoint) -> float:
     """Requests at an endpoint now: every router replica's in flight there (published every load-share
     interval), or the engine's own running and waiting sequences, read from its /metrics now (else as last
     scraped), whichever is more."""
-    from routing.load import REPLICA_LOAD_KEY, others_load
-    from routing.load_scraper import LOAD_KEY
+    from routing.contracts import LOAD_KEY, REPLICA_LOAD_KEY, others_load
 
     with redis.pipeline(transaction=False) as pipe:
         pipe.hgetall(REPLICA_LOAD_KEY.format(endpoint.pk))
@@ -77,7 +76,7 @@ def orphan_drained(redis, mark: str, url: str | None) -> bool:
 def sole_blocks(redis, endpoint_id: int) -> int:
     """About how many cached blocks of this endpoint no other engine holds (GPU or CPU tier), from a sample of
     its entries in the precise prefix index; 0 when the index knows nothing of it."""
-    from routing.prefix_index import block_hash_key, endpoint_map_key
+    from routing.contracts import block_hash_key, endpoint_map_key
 
     key = endpoint_map_key(endpoint_id)
     total = redis.hlen(key)

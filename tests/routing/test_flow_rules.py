@@ -10,6 +10,7 @@ import orjson
 import pytest
 import uvloop
 
+from routing.contracts import others_queued, others_work
 from routing.flow import (
     CLASSES,
     DEFAULT_PREFILL_S_PER_TOKEN,
@@ -18,8 +19,6 @@ from routing.flow import (
     QueueTimeout,
     Waiter,
     affinity,
-    others_queued,
-    others_work,
     saturated,
 )
 from routing.framework import RequestContext

@@ -13,7 +13,7 @@ import pytest
 import redis
 from django.conf import settings
 
-from routing.load import REPLICA_LOAD_KEY
+from routing.contracts import REPLICA_LOAD_KEY
 from routing.models import RoutingPolicy
 from serving.models import Endpoint
 

@@ -9,10 +9,10 @@ import time
 from django.conf import settings
 
 from routing.app import Router
-from routing.load import REPLICA_LOAD_KEY, EndpointLoad, LoadTrade, others_load
+from routing.contracts import MAX_AGE_S, REPLICA_LOAD_KEY, others_load
+from routing.load import EndpointLoad, LoadTrade
 from routing.pipeline import Candidate
 from routing.redis_pool import router_redis
-from routing.replica_share import MAX_AGE_S
 from routing.snapshot import DeploymentInfo, EndpointInfo, PolicyInfo, Snapshot
 from routing.steps import load_guard
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from django.core.exceptions import ValidationError
 
+from routing.contracts import AUTOSCALE_HISTORY_KEY
 from serving import services
 from serving.autoscaling import (
-    HISTORY_KEY,
     Signals,
     Trend,
     _trend,
@@ -87,7 +87,7 @@ def test_the_trend_is_fitted_over_the_recorded_passes_of_its_window(settings):
     import redis
 
     client = redis.Redis.from_url(settings.REDIS_URL)
-    key = HISTORY_KEY.format(987_654)
+    key = AUTOSCALE_HISTORY_KEY.format(987_654)
     now = 10_000.0
     try:
         # Passes a second apart, newest first at the head: the last 30 s ramp; an older one, much lower, is out.
@@ -239,7 +239,7 @@ def test_a_persons_edit_pauses_autoscaling_until_it_is_turned_back_on(world, cli
 def test_the_autoscaler_follows_the_engines_load_up_and_down(pools, settings):
     import redis
 
-    from routing.load_scraper import LOAD_KEY
+    from routing.contracts import LOAD_KEY
 
     client = redis.Redis.from_url(settings.REDIS_URL)
     pool = pools["both"]

@@ -10,7 +10,8 @@ import pytest
 import redis
 from django.conf import settings
 
-from routing.load_scraper import LOAD_KEY, endpoint_loads_scrape
+from routing.contracts import LOAD_KEY
+from routing.load_scraper import endpoint_loads_scrape
 from serving.engine_keys import engine_api_key
 from serving.models import Endpoint, Health, ModelDeployment, OrchestratorKind, Pool
 from serving.orchestrators import kube_render

@@ -468,7 +468,7 @@ def test_a_scale_down_drains_the_pod_it_removes_first(cluster, settings):
 
     import redis
 
-    from routing.load import REPLICA_LOAD_KEY
+    from routing.contracts import REPLICA_LOAD_KEY
     from serving.models import EndpointLifetime
     from serving.orchestrators.kubernetes import POD_DELETION_COST
 
