@@ -189,9 +189,7 @@ class Router:
         if not endpoints:
             return
         stale, self._stale_loads = self._stale_loads, {}
-        self._stale_loads = await self.trade_loads(
-            LOAD_KEY, endpoints, self.loads, self.replica_id, stale
-        )
+        self._stale_loads = await self.trade_loads(LOAD_KEY, endpoints, self.loads, self.replica_id, stale)
         # The fair shares across replicas, and the queues, which the new loads may let through.
         await self.flow.share(self.redis, self.replica_id)
         self.flow.wake_all()
