@@ -132,6 +132,11 @@ RECONCILE_INTERVAL_S = env_int("RECONCILE_INTERVAL_S", 5)
 AUTOSCALER_INTERVAL_S = float(env_secret("AUTOSCALER_INTERVAL_S") or 5.0)
 AUTOSCALER_LATENCY_WINDOW_S = float(env_secret("AUTOSCALER_LATENCY_WINDOW_S") or 60.0)
 AUTOSCALER_DEFAULT_STARTUP_S = float(env_secret("AUTOSCALER_DEFAULT_STARTUP_S") or 60.0)
+# The portal's history (tenants/usage_series.py, portal/history.py): per-minute rows kept this many days, per-hour
+# rows this many; the worker samples the engines' scraped load into them this often.
+HISTORY_MINUTES_KEEP_DAYS = env_int("HISTORY_MINUTES_KEEP_DAYS", 35)
+HISTORY_HOURS_KEEP_DAYS = env_int("HISTORY_HOURS_KEEP_DAYS", 400)
+HISTORY_SAMPLE_EVERY_S = float(env_secret("HISTORY_SAMPLE_EVERY_S") or 10.0)
 CELERY_BEAT_SCHEDULE = {
     "reconcile-all-deployments": {
         "task": "serving.tasks.reconcile_all",
@@ -147,6 +152,16 @@ CELERY_BEAT_SCHEDULE = {
         "task": "routing.tasks.scrape_engine_metrics",
         "schedule": 1.0,
         "options": {"expires": 1.0},
+    },
+    "sample-history": {
+        "task": "portal.tasks.sample_history",
+        "schedule": HISTORY_SAMPLE_EVERY_S,
+        "options": {"expires": HISTORY_SAMPLE_EVERY_S},
+    },
+    "prune-history": {
+        "task": "portal.tasks.prune_history",
+        "schedule": 3600.0,
+        "options": {"expires": 3600.0},
     },
 }
 

@@ -52,3 +52,59 @@ class CommercialPrice(models.Model):
     @property
     def is_stale(self) -> bool:
         return timezone.now().date() - self.as_of > PRICE_STALE_AFTER
+
+
+class PoolSeries(models.Model):
+    """What the engines of a pool looked like over one step (portal/history.py samples them every few seconds
+    from the load the worker scrapes into Redis). Sums over the samples, so that means hold for any step:
+    replicas = replicas / samples, KV-cache use = kv_sum / kv_samples (one per engine that reported it)."""
+
+    step_s = models.PositiveIntegerField(help_text="60 (a minute) or 3600 (an hour).")
+    start = models.DateTimeField()
+    pool_id = models.BigIntegerField()
+    deployment_id = models.BigIntegerField()
+    samples = models.PositiveIntegerField(default=0)
+    replicas = models.BigIntegerField(
+        default=0, help_text="Replicas wanted (set by an operator or the autoscaler)."
+    )
+    ready = models.BigIntegerField(default=0, help_text="Healthy engines, not draining.")
+    running = models.FloatField(default=0)
+    waiting = models.FloatField(default=0)
+    queued_prompt_tokens = models.FloatField(
+        default=0, help_text="The routers' prefill backlog for the pool."
+    )
+    kv_samples = models.PositiveIntegerField(default=0)
+    kv_sum = models.FloatField(default=0)
+    kv_max = models.FloatField(null=True, blank=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["step_s", "start", "pool_id"], name="pool_series_one_row_per_step"
+            )
+        ]
+        indexes = [models.Index(fields=["deployment_id", "step_s", "start"], name="pool_series_deployment")]
+
+    def __str__(self) -> str:
+        return f"{self.start:%Y-%m-%d %H:%M} +{self.step_s}s pool {self.pool_id}"
+
+
+class PrefixSeries(models.Model):
+    """Cached tokens the routers predicted for a deployment, and those its engines reported, per step (the
+    routers' per-minute counters in Redis, routing/prefix_health.py, copied here before they expire)."""
+
+    step_s = models.PositiveIntegerField()
+    start = models.DateTimeField()
+    deployment_id = models.BigIntegerField()
+    predicted = models.BigIntegerField(default=0)
+    reported = models.BigIntegerField(default=0)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["step_s", "start", "deployment_id"], name="prefix_series_one_row_per_step"
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.start:%Y-%m-%d %H:%M} +{self.step_s}s deployment {self.deployment_id}"

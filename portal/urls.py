@@ -2,6 +2,7 @@ from django.contrib.auth import views as auth_views
 from django.urls import path
 
 from . import views
+from .api import HistoryView
 from .forms import SignInForm
 
 app_name = "portal"
@@ -21,6 +22,7 @@ urlpatterns = [
     path("deployments/<int:pk>/delete/", views.deployment_remove, name="deployment-delete"),
     path("deployments/<int:pk>/cost/", views.deployment_cost, name="deployment-cost"),
     path("live/", views.live, name="live"),
+    path("history/", HistoryView.as_view(), name="history"),
     path("teams/", views.teams, name="teams"),
     path("teams/<int:pk>/", views.team_detail, name="team"),
     path("teams/<int:pk>/keys/", views.key_create, name="key-create"),

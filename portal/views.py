@@ -5,8 +5,6 @@ Every tenant-owned lookup goes through the caller's Access scope: another tenant
 
 from __future__ import annotations
 
-from datetime import timedelta
-from decimal import Decimal
 from functools import wraps
 
 from django.conf import settings
@@ -28,7 +26,7 @@ from tenants.entitlements import model_alias_delete, model_alias_save, team_enti
 from tenants.keys import api_key_create, api_key_revoke
 from tenants.models import ModelAlias
 
-from .charts import bar_chart, column_chart
+from .charts import report_days
 from .costs import cost_to_serve
 from .forms import (
     AliasForm,
@@ -140,43 +138,13 @@ def deployment_detail(request, pk: int):
 
 
 def _autoscaling(deployment) -> dict:
-    """Per pool with a policy: charts of its replicas next to the signals that drove them and of TTFT and ITL
-    p90 against their objectives (the autoscaler's recent passes, from Redis); and the recent scaling events."""
-    import redis
-    from django.conf import settings
-
-    from serving.autoscaling import pool_history
+    """Per pool with a policy, the policy; and the recent scaling events (the charts of replicas against the
+    signals and of latency against the objectives come from the history, portal/charts.py)."""
     from serving.models import AutoscalingPolicy, ScalingEvent
 
-    from .charts import line_chart
-
-    client = redis.Redis.from_url(settings.REDIS_URL)
-    pools = []
-    for policy in AutoscalingPolicy.objects.filter(pool__deployment=deployment).select_related("pool"):
-        try:
-            history = pool_history(client, policy.pool_id)
-        except redis.RedisError:
-            history = []
-        now = history[-1]["t"] if history else 0.0
-
-        def line(name: str, scale: float = 1.0, history=history, now=now) -> list:
-            return [(s["t"] - now, None if s.get(name) is None else s[name] * scale) for s in history]
-
-        targets = policy.targets()
-        drivers = {"replicas": line("replicas"), "ready": line("ready")}
-        if "queued_prompt_tokens_per_replica" in targets:
-            drivers["queued prompt tokens / 1000"] = line("queued_prompt_tokens", 0.001)
-        if "running_requests_per_replica" in targets:
-            drivers["running sequences"] = line("running_requests")
-        if "kv_cache_utilization" in targets:
-            drivers["KV-cache use x 10"] = line("kv_cache_utilization", 10)
-        charts = [line_chart(drivers, title=f"{policy.pool.name}: replicas and the signals that drove them")]
-        for name, label in (("ttft_p90_s", "TTFT p90"), ("itl_p90_s", "Inter-token latency p90")):
-            if name in targets:
-                charts.append(line_chart({label: line(name)}, title=label, unit="s", objective=targets[name]))
-        pools.append({"policy": policy, "charts": charts})
+    policies = AutoscalingPolicy.objects.filter(pool__deployment=deployment).select_related("pool")
     events = ScalingEvent.objects.filter(pool__deployment=deployment).select_related("pool")[:20]
-    return {"pools": pools, "events": list(events)}
+    return {"pools": [{"policy": policy} for policy in policies], "events": list(events)}
 
 
 def _prefix_health(deployment):
@@ -295,7 +263,6 @@ def _team_context(request, team, **extra) -> dict:
     access = _access(request)
     period = period_parse(period="month")
     by_key = usage_report(access=access, period=period, group_by="key", team_id=team.pk)
-    by_day = usage_report(access=access, period=period, group_by="day", team_id=team.pk)
     quotas = access.quotas_qs().filter(team=team)
     is_tenant_admin = access.can_admin_tenant(team.tenant_id)
     can_set_class = is_tenant_admin or team.id in access.admin_teams
@@ -320,7 +287,6 @@ def _team_context(request, team, **extra) -> dict:
         "settings_form": TeamSettingsForm(team=team, full=is_tenant_admin) if can_set_class else None,
         "alias_form": AliasForm(tenant_id=team.tenant_id) if is_tenant_admin else None,
         "report": by_key,
-        "cost_chart": column_chart(_day_series(by_day, period, "cost"), title="Cost per day", unit="USD"),
         "key_form": KeyCreateForm(),
         **extra,
     }
@@ -464,16 +430,6 @@ def _period_from(request, default_group: str = "team") -> tuple[Period, ReportFo
         return period_parse(period="month"), form
 
 
-def _day_series(report, period: Period, metric: str) -> list[tuple[str, Decimal | int]]:
-    values = {row.key: getattr(row, metric) for row in report.rows}
-    day, out = period.start.date(), []
-    last = (period.end - timedelta(microseconds=1)).date()
-    while day <= last and len(out) < 400:
-        out.append((day.isoformat(), values.get(day, 0)))
-        day += timedelta(days=1)
-    return out
-
-
 @signed_in
 def reports(request):
     access = _access(request)
@@ -481,23 +437,12 @@ def reports(request):
     group_by = form.cleaned_data.get("group_by", "team") if form.is_valid() else "team"
     report = usage_report(access=access, period=period, group_by=group_by)
     by_day = usage_report(access=access, period=period, group_by="day")
-    by_team = usage_report(access=access, period=period, group_by="team")
-    by_model = usage_report(access=access, period=period, group_by="model")
     # Beside any grouping, the same usage by the class it was served in (unless that is the grouping).
     by_class = (
         None
         if group_by == "priority_class"
         else usage_report(access=access, period=period, group_by="priority_class")
     )
-    charts = [
-        column_chart(_day_series(by_day, period, "cost"), title="Cost per day", unit="USD"),
-        column_chart(
-            [(d, v) for d, v in _day_series(by_day, period, "input_tokens")], title="Input tokens per day"
-        ),
-        bar_chart([(r.label, r.cost) for r in by_team.rows], title="Cost by team", unit="USD"),
-        bar_chart([(r.label, r.cost) for r in by_model.rows], title="Cost by model", unit="USD"),
-        bar_chart([(r.label, r.output_tokens) for r in by_model.rows], title="Output tokens by model"),
-    ]
     return render(
         request,
         "portal/reports.html",
@@ -505,7 +450,7 @@ def reports(request):
             "form": form,
             "report": report,
             "by_class": by_class,
-            "charts": charts,
+            "days": report_days(by_day, period),
             "query": request.GET.urlencode(),
         },
     )

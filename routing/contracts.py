@@ -140,6 +140,14 @@ def endpoint_map_key(endpoint_id: int) -> str:
     return f"pxe:{endpoint_id}"
 
 
+# --- prefix routing's health ---------------------------------------------------------------------------------
+# Per deployment and minute since the epoch: the cached tokens the routers predicted and the engines reported, and
+# the requests they could not render (the routers add, routing/prefix_health.py; the portal and its history read).
+PREFIX_HEALTH_KEY = "prefix:health:{}:{}"
+# Per deployment: {endpoint id: why the ingester cannot key its blocks} (the KV-event ingester writes; the routers
+# and the portal read).
+PREFIX_BLIND_KEY = "prefix:blind:{}"
+
 # --- token ids shared across replicas ------------------------------------------------------------------------
 # "tok:<tokenizer fingerprint>:<piece digest>": a piece's token ids (routing/shared_tokens.py; every replica and
 # its tokenizing workers write and read).

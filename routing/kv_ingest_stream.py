@@ -18,8 +18,8 @@ import zmq
 from django.db import close_old_connections
 
 from inference_platform.config_version import CONFIG_VERSION_KEY
+from routing.contracts import PREFIX_BLIND_KEY
 from routing.kv_ingest import Source, Writes, apply_events, clear_source, clear_stored, decode_payload
-from routing.prefix_health import BLIND_KEY
 from routing.prefix_index import EXPIRE_SPECULATIVE
 from serving.models import Endpoint, ModelDeployment
 
@@ -232,7 +232,7 @@ class KVIngester:
             source.url,
             source.mismatch,
         )
-        key = BLIND_KEY.format(source.deployment_id)
+        key = PREFIX_BLIND_KEY.format(source.deployment_id)
         self.redis.hset(key, str(source.endpoint_id), source.mismatch)
         self.redis.expire(key, 300)
 

@@ -13,9 +13,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from . import metrics
+from .contracts import PREFIX_BLIND_KEY, PREFIX_HEALTH_KEY
 
-KEY = "prefix:health:{}:{}"  # deployment id, minute since the epoch
-BLIND_KEY = "prefix:blind:{}"  # deployment id -> {endpoint id: why the ingester cannot key its blocks}
 WINDOW_MINUTES = 5
 DRIFT_BELOW = 0.8  # predicted under 80 % of what the engines report: routing is partly blind
 MIN_REPORTED_TOKENS = 2048  # below this, too little traffic to judge
@@ -56,7 +55,7 @@ def _summary(rows: list[dict]) -> HealthSummary:
 
 def _keys(deployment_id: int, now: float) -> list[str]:
     minute = int(now // 60)
-    return [KEY.format(deployment_id, minute - back) for back in range(WINDOW_MINUTES)]
+    return [PREFIX_HEALTH_KEY.format(deployment_id, minute - back) for back in range(WINDOW_MINUTES)]
 
 
 class PrefixHealth:
@@ -84,7 +83,7 @@ class PrefixHealth:
         now = time.time()
         async with redis.pipeline(transaction=False) as pipe:
             for deployment_id, counts in pending.items():
-                key = KEY.format(deployment_id, int(now // 60))
+                key = PREFIX_HEALTH_KEY.format(deployment_id, int(now // 60))
                 for name, value in counts.items():
                     pipe.hincrby(key, name, value)
                 pipe.expire(key, (WINDOW_MINUTES + 1) * 60)
@@ -104,7 +103,7 @@ def prefix_health_for(redis, deployment_id: int) -> HealthSummary:
     with redis.pipeline(transaction=False) as pipe:
         for key in _keys(deployment_id, time.time()):
             pipe.hgetall(key)
-        pipe.hgetall(BLIND_KEY.format(deployment_id))
+        pipe.hgetall(PREFIX_BLIND_KEY.format(deployment_id))
         *rows, blind = pipe.execute()
     summary = _summary(rows)
     summary.blind = {k.decode(): v.decode() for k, v in blind.items()}

@@ -35,6 +35,7 @@ from .models import (
 )
 from .periods import period_bounds
 from .pricing import COST_QUANTUM
+from .usage_series import usage_series_add, usage_series_clear
 
 GROUPS = ("tenant", "team", "key", "model", "deployment", "priority_class", "day")
 PERIODS = ("day", "week", "month", "custom")
@@ -348,6 +349,8 @@ def usage_rollup(*, batch: int = ROLLUP_BATCH) -> int:
                     return total
                 upto = min(newest, state.last_record_id + batch)
                 cursor.execute(_ROLLUP_SQL, [UsageStatus.COMPLETED, state.last_record_id, upto])
+                # The same records to the minute and hour series the portal charts, under the same watermark.
+                usage_series_add(cursor, after_id=state.last_record_id, upto_id=upto)
                 cursor.execute(
                     f"SELECT count(*) FROM {UsageRecord._meta.db_table} WHERE id > %s AND id <= %s",
                     [state.last_record_id, upto],
@@ -360,9 +363,10 @@ def usage_rollup(*, batch: int = ROLLUP_BATCH) -> int:
 
 
 def usage_rollup_rebuild() -> int:
-    """Throw the daily rows away and roll the whole ledger up again (after a manual correction)."""
+    """Throw the daily rows and the series away and roll the whole ledger up again (after a manual correction)."""
     with transaction.atomic():
         UsageDaily.objects.all().delete()
+        usage_series_clear()
         UsageRollupState.objects.update_or_create(
             pk=1, defaults={"last_record_id": 0, "updated_at": timezone.now()}
         )

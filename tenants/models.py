@@ -732,3 +732,88 @@ class UsageRollupState(models.Model):
 
     def __str__(self) -> str:
         return f"rolled up to record {self.last_record_id}"
+
+
+class UsageSeries(models.Model):
+    """What the ledger's records of one time step add up to (tenants/usage_series.py writes and reads these).
+
+    `step_s` is 60 (a row per minute, kept HISTORY_MINUTES_KEEP_DAYS) or 3600 (a row per hour, kept
+    HISTORY_HOURS_KEEP_DAYS); `start` is the step's first instant (UTC). Written only by the billing roll-up, in the
+    same transaction and for the same records as the daily rows, so every record is counted exactly once.
+    """
+
+    step_s = models.PositiveIntegerField()
+    start = models.DateTimeField()
+    currency = models.CharField(max_length=3)
+    requests = models.BigIntegerField(default=0)
+    failed = models.BigIntegerField(default=0)
+    cancelled = models.BigIntegerField(default=0)
+    rejected = models.BigIntegerField(
+        default=0, help_text="Waited in a router's queue past its class's limit."
+    )
+    prompt_tokens = models.BigIntegerField(default=0)
+    cached_prompt_tokens = models.BigIntegerField(default=0)
+    output_tokens = models.BigIntegerField(default=0)
+    cost = models.DecimalField(max_digits=24, decimal_places=8, default=Decimal("0"))
+
+    class Meta:
+        abstract = True
+
+
+class TeamUsageSeries(UsageSeries):
+    """Per step, team and currency (a tenant's series is the sum of its teams')."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.PROTECT, related_name="+")
+    team = models.ForeignKey(Team, on_delete=models.PROTECT, related_name="+")
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["step_s", "start", "tenant", "team", "currency"], name="team_series_one_row_per_group"
+            ),
+        ]
+        indexes = [
+            models.Index(fields=["team", "step_s", "start"], name="team_series_team_time"),
+            models.Index(fields=["tenant", "step_s", "start"], name="team_series_tenant_time"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.start:%Y-%m-%d %H:%M} +{self.step_s}s team {self.team_id}"
+
+
+class DeploymentUsageSeries(UsageSeries):
+    """Per step, deployment, priority class and currency, with the latencies of its requests as histograms.
+
+    A histogram is a list of counts per bucket of milliseconds (`tenants.usage_series.BUCKETS`: the bucket of
+    0 ms, then buckets a third of a power of two wide), cut after its last non-empty bucket; NULL when no request
+    had the value. Histograms add up, so percentiles hold for any sum of rows (classes, deployments, hours).
+    """
+
+    deployment_id = models.BigIntegerField(null=True, blank=True)
+    priority_class = models.CharField(max_length=12, choices=PriorityClass.choices, blank=True, default="")
+    ttft_ms = ArrayField(models.IntegerField(), null=True, blank=True, help_text="Completed requests' TTFT.")
+    itl_ms = ArrayField(
+        models.IntegerField(),
+        null=True,
+        blank=True,
+        help_text="Completed requests' mean inter-token latency.",
+    )
+    queued_ms = ArrayField(
+        models.IntegerField(),
+        null=True,
+        blank=True,
+        help_text="Wait in a router's queue, where there was one.",
+    )
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["step_s", "start", "deployment_id", "priority_class", "currency"],
+                nulls_distinct=False,
+                name="deployment_series_one_row_per_group",
+            ),
+        ]
+        indexes = [models.Index(fields=["deployment_id", "step_s", "start"], name="deployment_series_time")]
+
+    def __str__(self) -> str:
+        return f"{self.start:%Y-%m-%d %H:%M} +{self.step_s}s deployment {self.deployment_id}"

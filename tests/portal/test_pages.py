@@ -218,7 +218,7 @@ def test_the_deployment_page_flags_blind_prefix_routing(world, browser):
     import redis
     from django.conf import settings
 
-    from routing.prefix_health import BLIND_KEY, KEY
+    from routing.contracts import PREFIX_BLIND_KEY, PREFIX_HEALTH_KEY
 
     deployment = ModelDeployment.objects.get(served_model_name="tiny-qwen")
     client = redis.Redis.from_url(settings.REDIS_URL)
@@ -228,13 +228,14 @@ def test_the_deployment_page_flags_blind_prefix_routing(world, browser):
     page = browser(world.operator).get(f"/portal/deployments/{deployment.pk}/").content.decode()
     assert "Routing is partly blind" not in page and 'id="render-failures">none' in page
     client.hset(
-        KEY.format(deployment.pk, minute), mapping={"predicted": 7040, "reported": 18560, "render:image": 3}
+        PREFIX_HEALTH_KEY.format(deployment.pk, minute),
+        mapping={"predicted": 7040, "reported": 18560, "render:image": 3},
     )
-    client.hset(BLIND_KEY.format(deployment.pk), "12", "the engine stores blocks of 16 tokens")
+    client.hset(PREFIX_BLIND_KEY.format(deployment.pk), "12", "the engine stores blocks of 16 tokens")
     try:
         page = browser(world.operator).get(f"/portal/deployments/{deployment.pk}/").content.decode()
     finally:
-        client.delete(KEY.format(deployment.pk, minute), BLIND_KEY.format(deployment.pk))
+        client.delete(PREFIX_HEALTH_KEY.format(deployment.pk, minute), PREFIX_BLIND_KEY.format(deployment.pk))
     assert (
         '7,040 / <span title="18,560">18.6K</span> (37.9%)' in page
         and "predicted 37.9% of the cached tokens" in page
@@ -245,26 +246,15 @@ def test_the_deployment_page_flags_blind_prefix_routing(world, browser):
 
 
 def test_the_deployment_page_charts_autoscaling_and_lists_scaling_events(world, browser):
-    """Replicas beside the signals that drove them and the latency p90s against their objectives, from the
-    autoscaler's passes as it records them in Redis, and the recent scaling events with their reasons."""
-    import json
-
-    import redis
-    from django.conf import settings
-
-    from serving.autoscaling import HISTORY_KEY
+    """The page holds the history's charts (replicas beside the signals that drove them, latency p90s against
+    their objectives: tests/portal/test_history.py), each pool's policy, and the recent scaling events with their
+    reasons."""
     from serving.models import AutoscalingPolicy, ScalingEvent
 
     pool = world.deployment.pools.get()
     AutoscalingPolicy.objects.create(
         pool=pool, enabled=True, max_replicas=6, ttft_p90_s=1.5, running_requests_per_replica=8
     )
-    client = redis.Redis.from_url(settings.REDIS_URL)
-    key = HISTORY_KEY.format(pool.pk)
-    client.delete(key)
-    for i, (replicas, running, ttft) in enumerate([(1, 4, 0.4), (2, 14, 2.1), (3, 20, 1.2)]):
-        sample = {"t": 1000.0 + 5 * i, "replicas": replicas, "ready": replicas, "running_requests": running}
-        client.lpush(key, json.dumps({**sample, "ttft_p90_s": ttft}))
     ScalingEvent.objects.create(
         pool=pool,
         from_replicas=1,
@@ -272,12 +262,16 @@ def test_the_deployment_page_charts_autoscaling_and_lists_scaling_events(world, 
         signals={"running_requests": 20},
         reason="running_requests_per_replica asks for 3",
     )
-    try:
-        html = browser(world.operator).get(f"/portal/deployments/{world.deployment.pk}/").content.decode()
-    finally:
-        client.delete(key)
+    html = browser(world.operator).get(f"/portal/deployments/{world.deployment.pk}/").content.decode()
     assert f"{pool.name}: on, 1 to 6 replicas" in html
-    assert 'aria-label="main: replicas and the signals that drove them"' in html
-    assert 'aria-label="TTFT p90"' in html and "<title>objective 1.5 s</title>" in html
-    assert "Inter-token latency p90" not in html  # no ITL objective set
+    assert f'data-url="/portal/history/?scope=deployment&amp;id={world.deployment.pk}"' in html
+    charts = (
+        browser(world.operator)
+        .get("/portal/history/", {"scope": "deployment", "id": world.deployment.pk, "period": "hour"})
+        .json()["charts"]
+    )
+    by_id = {c["id"]: [s["key"] for s in c["series"]] for c in charts}
+    assert by_id["ttft"] == ["ttft_p50", "ttft_p90", "ttft_objective"]
+    assert by_id["itl"] == ["itl_p50", "itl_p90"]  # no ITL objective set
+    assert by_id["pool_main"][:2] == ["replicas", "ready"]
     assert "1 → 3" in html and "running_requests_per_replica asks for 3" in html

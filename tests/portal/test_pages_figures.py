@@ -83,7 +83,7 @@ RAW = re.compile(r"(?<![\w.,-])\d{5,}(?![\w])|\d\.\d{6,}")
 
 
 def _visible_text(html: str) -> str:
-    """The page's text as read, without markup, scripts or charts (drawn by portal/charts.py, not by templates)."""
+    """The page's text as read, without markup or scripts (the charts are drawn in the browser from JSON)."""
     html = re.sub(r"<(script|svg)\b.*?</\1>", " ", html, flags=re.S)
     return re.sub(r"<[^>]+>", " ", html)
 
