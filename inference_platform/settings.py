@@ -389,6 +389,9 @@ ROUTER_HEADER_TIMEOUT_SECONDS = float(env_secret("ROUTER_HEADER_TIMEOUT_SECONDS"
 ROUTER_METRICS_TOKEN = env_secret("ROUTER_METRICS_TOKEN") or (
     local_secret(STATE_DIR / "router_metrics_token") if DEBUG else ""
 )
+# The web process's /metrics/platform (deployments, endpoints, usage by tenant) and /metrics/engines (the engines
+# as Prometheus HTTP service discovery targets) answer only this bearer token; blank: the router's.
+PLATFORM_METRICS_TOKEN = env_secret("PLATFORM_METRICS_TOKEN") or ROUTER_METRICS_TOKEN
 # The per-deployment engine API keys are HMACs under this secret (serving/engine_keys.py); the router and the
 # worker must share it. Blank: SECRET_KEY.
 ENGINE_KEY_SECRET = env_secret("ENGINE_KEY_SECRET") or ""

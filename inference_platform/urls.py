@@ -41,5 +41,6 @@ urlpatterns = [
     path("api/auth/token/revoke/", tokens.TokenRevokeView.as_view(), name="token-revoke"),
     path("api/auth/token/revoke-all/", tokens.TokenRevokeAllView.as_view(), name="token-revoke-all"),
     path("api/auth/", include("rest_framework.urls")),
+    path("metrics/", include("control_metrics.urls")),
     path("healthz", healthz),
 ]
