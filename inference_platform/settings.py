@@ -125,6 +125,10 @@ CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_ALWAYS_EAGER = env_bool("CELERY_TASK_ALWAYS_EAGER", False)
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# No remote control (celery inspect/control; nothing here uses it): its broadcast mailbox is a Redis pub/sub
+# subscription, and when Redis goes away with tasks in flight, kombu's reconnect of that subscription raised
+# AttributeError and the worker exited ("Unrecoverable error"), leaving usage uningested until restarted.
+CELERY_WORKER_ENABLE_REMOTE_CONTROL = False
 # Every deployment is reconciled this often, whatever changed; a change also enqueues its own reconcile.
 RECONCILE_INTERVAL_S = env_int("RECONCILE_INTERVAL_S", 5)
 # The autoscaler (serving/autoscaling.py): how often it decides, over how long a window it reads TTFT and ITL,
@@ -152,6 +156,12 @@ CELERY_BEAT_SCHEDULE = {
         "task": "routing.tasks.scrape_engine_metrics",
         "schedule": 1.0,
         "options": {"expires": 1.0},
+    },
+    # Budget counters that Redis lost, raised back to the ledger (routing/quota_restore.py, RESTORE_EVERY_S).
+    "restore-quota-counters": {
+        "task": "routing.tasks.restore_quota_counters",
+        "schedule": 15.0,
+        "options": {"expires": 15.0},
     },
     "sample-history": {
         "task": "portal.tasks.sample_history",

@@ -19,6 +19,7 @@ from decimal import Decimal
 
 import orjson
 from django.conf import settings
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from tenants.limits import LIMITS, Limit, message
 from tenants.periods import period_bounds
@@ -34,6 +35,24 @@ CONCURRENCY_MAX_HOLD_S = 900
 # How long the id of a slot whose lease ran out stays in the set (not counted), so that a late settlement
 # from the journal can still tell it was never applied.
 UNSETTLED_RETAIN_S = 3600
+# Every admitted request under a quota, until it is settled, by its slot's lease deadline (see REAP); its orphan
+# record; and the mark of one reaped.
+LEASES_KEY = "q:leases"
+ORPHAN_PREFIX = "q:orphan:"
+REAPED_PREFIX = "q:reaped:"
+# A request's lease must have run out this long before its orphan record is settled: a replica whose link to
+# Redis broke renews its leases within a second of it coming back, and replays its journal's settlements.
+REAP_GRACE_S = 10.0
+
+
+def _named(script: str) -> str:
+    """A script with the keys above in place of their names."""
+    return (
+        script.replace("'LEASES'", f"'{LEASES_KEY}'")
+        .replace("'ORPHAN'", f"'{ORPHAN_PREFIX}'")
+        .replace("'REAPED'", f"'{REAPED_PREFIX}'")
+    )
+
 
 # Both scripts take their arguments by name: one JSON document in ARGV[1], built from the quota kinds' table
 # (tenants/limits.py). Each limit names its counter (an index into KEYS), what a request adds to it (`counts`), its
@@ -79,8 +98,12 @@ for _, limits in ipairs(r.scopes) do
     end
   end
 end
+if r.orphan then
+  redis.call('ZADD', KEYS[#KEYS - 1], r.now + r.lease, r.id)
+  redis.call('SET', KEYS[#KEYS], r.orphan, 'EX', HOLD + RETAIN)
+end
 return {1, remaining.requests or -1, remaining.tokens or -1}
-""".replace("RETAIN", str(UNSETTLED_RETAIN_S))
+""".replace("RETAIN", str(UNSETTLED_RETAIN_S)).replace("HOLD", str(CONCURRENCY_MAX_HOLD_S))
 
 # SETTLE: {id, replay, deltas: {counts: delta}, scopes: [[{key, counts}]]}: the settled limits of each scope, a slot
 # freed and a counter corrected by what the request used less what it reserved. With `replay` (a settlement read
@@ -89,6 +112,7 @@ return {1, remaining.requests or -1, remaining.tokens or -1}
 # is gone (a minute's, once that minute is over) is left alone.
 SETTLE = """
 local r = cjson.decode(ARGV[1])
+if redis.call('EXISTS', 'REAPED' .. r.id) == 1 then return 0 end
 if r.replay then
   local held = false
   for _, limits in ipairs(r.scopes) do
@@ -108,8 +132,47 @@ for _, limits in ipairs(r.scopes) do
     end
   end
 end
+redis.call('ZREM', 'LEASES', r.id)
+redis.call('DEL', 'ORPHAN' .. r.id)
 return 1
 """
+SETTLE = _named(SETTLE)
+
+# REAP: {cutoff, limit, retain, stream, field}. A request whose replica died (SIGKILL, a lost machine) is never
+# settled: its slot's lease runs out, but its reservation would stay in the budget counters until their period
+# ends, and its usage would never reach the ledger. Every admitted request under a quota is in LEASES (scored by
+# its slot's lease deadline, renewed with it) with its orphan record: the settlement that gives back everything it
+# reserved, and a usage event (status failed, no tokens). Requests whose lease ran out before `cutoff` are
+# settled from that record, their event appended to the usage stream, and marked reaped (for `retain` seconds) so
+# that a settlement of theirs arriving later, from a journal, is not applied on top. Returns how many.
+REAP = """
+local r = cjson.decode(ARGV[1])
+local ids = redis.call('ZRANGEBYSCORE', 'LEASES', '-inf', r.cutoff, 'LIMIT', 0, r.limit)
+local reaped = 0
+for _, id in ipairs(ids) do
+  redis.call('ZREM', 'LEASES', id)
+  local raw = redis.call('GET', 'ORPHAN' .. id)
+  if raw then
+    redis.call('DEL', 'ORPHAN' .. id)
+    local o = cjson.decode(raw)
+    for _, limits in ipairs(o.scopes) do
+      for _, l in ipairs(limits) do
+        local key = o.keys[l.key]
+        if l.counts == 'slot' then
+          redis.call('ZREM', key, id)
+        elseif redis.call('EXISTS', key) == 1 then
+          redis.call('INCRBY', key, o.deltas[l.counts])
+        end
+      end
+    end
+    redis.call('XADD', r.stream, '*', r.field, o.event)
+    redis.call('SET', 'REAPED' .. id, '1', 'EX', r.retain)
+    reaped = reaped + 1
+  end
+end
+return reaped
+"""
+REAP = _named(REAP)
 
 # A request that takes no tokens of a quota (count_tokens): counted against the requests per minute of each scope,
 # refused when one is at its limit. KEYS: each scope's requests-per-minute counter. ARGV: the window's time to live,
@@ -198,6 +261,7 @@ class Admission:
         self._admit = redis.register_script(ADMIT)
         self._settle = redis.register_script(SETTLE)
         self._count_request = redis.register_script(COUNT_REQUEST)
+        self._reap = redis.register_script(REAP)
         if lease_s is None:
             lease_s = settings.ROUTER_CONCURRENCY_LEASE_SECONDS
         self.lease_s = float(lease_s)
@@ -221,8 +285,10 @@ class Admission:
         input_reserve: int,
         output_reserve: int,
         spend_reserve: int,
+        orphan_event: str | None = None,
     ) -> Decision:
-        """Admit a request against every scope that has a quota (`quota_scopes`), all or none."""
+        """Admit a request against every scope that has a quota (`quota_scopes`), all or none. `orphan_event`
+        (an encoded usage event) is what the ledger gets for it if its replica dies before settling it (REAP)."""
         scopes = [(kind, ident, quota) for kind, ident, quota in scopes if quota is not None]
         reservation = Reservation(request_id, [], len(scopes), input_reserve, output_reserve, spend_reserve)
         if not scopes:
@@ -260,10 +326,25 @@ class Admission:
             "tokens": str(input_reserve + output_reserve),
             "spend": str(spend_reserve),
         }
-        argument = orjson.dumps(
-            {"now": now, "id": request_id, "lease": self.lease_s, "amounts": amounts, "scopes": documented}
-        )
-        result = await self._admit(keys=reservation.keys, args=[argument])
+        document = {
+            "now": now,
+            "id": request_id,
+            "lease": self.lease_s,
+            "amounts": amounts,
+            "scopes": documented,
+        }
+        keys = reservation.keys
+        if orphan_event is not None:
+            document["orphan"] = _orphan_record(reservation, orphan_event)
+            keys = [*keys, LEASES_KEY, ORPHAN_PREFIX + request_id]
+        argument = orjson.dumps(document)
+        try:
+            result = await self._admit(keys=keys, args=[argument])
+        except RedisConnectionError:
+            # After Redis restarts, each pooled connection fails once (and is dropped) before a fresh one works:
+            # without this, as many requests as the pool held were refused. A script whose reply alone was lost
+            # is counted twice, which errs against the team by one reservation until the period ends.
+            result = await self._admit(keys=keys, args=[argument])
         if result[0] == 1:
             self.held[request_id] = (reservation, time.monotonic())
             headers = {}
@@ -346,8 +427,24 @@ class Admission:
             for key, request_ids in by_key.items():
                 pipe.zadd(key, dict.fromkeys(request_ids, deadline), xx=True)
                 pipe.expire(key, math.ceil(self.lease_s) + UNSETTLED_RETAIN_S)
+            pipe.zadd(LEASES_KEY, {rid: deadline for ids in by_key.values() for rid in ids}, xx=True)
             await pipe.execute()
         return sum(len(ids) for ids in by_key.values())
+
+    async def reap_orphans(self, limit: int = 500) -> int:
+        """Settle the requests whose replica died before settling them (REAP): their reservations given back,
+        their usage events (failed, no tokens) appended to the stream; returns how many. Safe from every
+        replica at once."""
+        from tenants.usage_stream import FIELD, stream_key
+
+        argument = {
+            "cutoff": time.time() - REAP_GRACE_S,
+            "limit": limit,
+            "retain": UNSETTLED_RETAIN_S,
+            "stream": stream_key(),
+            "field": FIELD,
+        }
+        return int(await self._reap(args=[orjson.dumps(argument)]))
 
 
 def _counter_key(limit: Limit, kind: str, ident: int, period: str, minute: int, budget_start: int) -> str:
@@ -371,6 +468,24 @@ def _settlement(args: list, replay: bool) -> bytes:
         for scope in range(scopes)
     ]
     return orjson.dumps({"id": request_id, "replay": replay, "deltas": deltas, "scopes": documented})
+
+
+def _orphan_record(reservation: Reservation, event: str) -> str:
+    """What REAP needs to settle a request nobody settled: its keys, the settlement that gives back all it
+    reserved, and its usage event."""
+    deltas = {
+        "input": str(-reservation.input_tokens),
+        "output": str(-reservation.output_tokens),
+        "tokens": str(-(reservation.input_tokens + reservation.output_tokens)),
+        "spend": str(-reservation.spend),
+    }
+    settled = [(index, limit.counts) for index, limit in enumerate(LIMITS) if limit.settled]
+    scopes = [
+        [{"key": scope * len(LIMITS) + index + 1, "counts": counts} for index, counts in settled]
+        for scope in range(reservation.scopes)
+    ]
+    record = {"keys": reservation.keys, "scopes": scopes, "deltas": deltas, "event": event}
+    return orjson.dumps(record).decode()
 
 
 def _refused(kind: str, quota: QuotaInfo, limit: str, retry_after: int) -> Decision:

@@ -12,10 +12,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
+from collections import deque
 from dataclasses import dataclass
 
 from django.conf import settings
-from prometheus_client import Gauge
+from prometheus_client import Counter, Gauge
 from redis.exceptions import ConnectionError, NoScriptError, RedisError
 
 from tenants.usage_stream import FIELD, UsageEvent, stream_key, usage_stream_lag
@@ -27,6 +29,13 @@ from .journal import Journal, JournalError, journal_line, read_lines
 log = logging.getLogger(__name__)
 
 KEEP_EVERY_S = 1.0
+# Redis's identity for the usage stream: a random value set when missing. A new value means Redis lost its data
+# (restarted empty, or failed over to a replica that had not got the latest writes), and with it the events not
+# yet in the ledger; each replica then appends again what it wrote in the last RECENT_S seconds (the ledger
+# ignores a request id it holds).
+EPOCH_KEY = "usage:epoch"
+RECENT_S = 120.0
+RECENT_MAX = 50_000
 LAG_EVERY_S = 5.0
 ORPHANS_EVERY_S = 10.0
 REPLAY_CHUNK = 500
@@ -44,6 +53,17 @@ lag_age = Gauge(
 journal_bytes = Gauge(
     "router_usage_journal_bytes",
     "Bytes of usage in this replica's local journal, waiting for Redis to take them.",
+    registry=metrics.registry,
+)
+orphans_reaped = Counter(
+    "router_orphaned_requests_settled",
+    "Requests admitted by a replica that died before settling them, settled and billed (failed, no tokens) by "
+    "this replica.",
+    registry=metrics.registry,
+)
+reappended = Counter(
+    "router_usage_events_reappended",
+    "Usage events appended to the stream again because Redis lost its data after taking them.",
     registry=metrics.registry,
 )
 accepting_gauge = Gauge(
@@ -78,6 +98,10 @@ class Finisher:
         # batches go straight to the journal rather than each waiting for Redis to fail.
         self.redis_down = False
         self._pending: list[_Ending] = []
+        # (monotonic time, encoded event) of what Redis took in the last RECENT_S seconds, and the epoch it
+        # had then (see EPOCH_KEY).
+        self._recent: deque[tuple[float, str]] = deque(maxlen=RECENT_MAX)
+        self._epoch: bytes | None = None
         self._scheduled = False
         self._keeper: asyncio.Task | None = None
         self.start()
@@ -145,6 +169,8 @@ class Finisher:
             if not self.redis_down:
                 try:
                     await asyncio.wait_for(self._to_redis_retried(batch), self.redis_timeout)
+                    now = time.monotonic()
+                    self._recent.extend((now, ending.event.encode()) for ending in batch)
                     return
                 except (RedisError, OSError, TimeoutError) as exc:
                     log.warning("usage: Redis did not take a batch (%r); journaling until it does", exc)
@@ -240,6 +266,12 @@ class Finisher:
             if self.redis_down or self.journal.waiting() or now >= orphans_at:
                 orphans_at = now + ORPHANS_EVERY_S
                 await self._quietly("replay the usage journal", self.replay())
+                if not (self.redis_down or self.journal.waiting()):
+                    await self._quietly("settle the requests of dead replicas", self._reap())
+            while self._recent and self._recent[0][0] < now - RECENT_S:
+                self._recent.popleft()
+            if not self.redis_down:
+                await self._quietly("check that Redis kept its data", self._check_epoch())
             if self.journal.failed:
                 # Room again, or the disk back: work is accepted again even while Redis is still down.
                 await asyncio.to_thread(self.journal.probe)
@@ -248,6 +280,40 @@ class Finisher:
                 await self._quietly("read the usage stream's lag", self._read_lag())
             journal_bytes.set(self.journal.bytes)
             accepting_gauge.set(1 if self.accepting else 0)
+
+    async def _reap(self) -> None:
+        """Settle and bill the requests a dead replica admitted and never settled (routing/admission.py, REAP).
+        Not while Redis has been up for less than two leases: after a restart (with its data) the live
+        replicas' leases have not been renewed yet."""
+        info = await asyncio.wait_for(self.redis.info("server"), self.redis_timeout)
+        if float(info.get("uptime_in_seconds", 0)) < 2 * self.admission.lease_s:
+            return
+        reaped = await asyncio.wait_for(self.admission.reap_orphans(), self.redis_timeout)
+        if reaped:
+            orphans_reaped.inc(reaped)
+            log.warning("usage: settled %d requests a dead replica admitted and never settled", reaped)
+
+    async def _check_epoch(self) -> None:
+        """Append again the events of the last RECENT_S seconds when Redis lost its data (EPOCH_KEY)."""
+        epoch = await asyncio.wait_for(self.redis.get(EPOCH_KEY), self.redis_timeout)
+        if epoch is None:
+            await asyncio.wait_for(self.redis.set(EPOCH_KEY, uuid.uuid4().hex, nx=True), self.redis_timeout)
+            epoch = await asyncio.wait_for(self.redis.get(EPOCH_KEY), self.redis_timeout)
+        if self._epoch is not None and epoch != self._epoch:
+            horizon = time.monotonic() - RECENT_S
+            events = [event for at, event in self._recent if at >= horizon]
+            log.warning(
+                "usage: Redis lost its data; appending again the %d events of the last %.0f s",
+                len(events),
+                RECENT_S,
+            )
+            for start in range(0, len(events), REPLAY_CHUNK):
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    for event in events[start : start + REPLAY_CHUNK]:
+                        pipe.xadd(stream_key(), {FIELD: event})
+                    await asyncio.wait_for(pipe.execute(), self.redis_timeout)
+            reappended.inc(len(events))
+        self._epoch = epoch
 
     async def _read_lag(self) -> None:
         entries, age = await asyncio.wait_for(usage_stream_lag(self.redis), self.redis_timeout)

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING
 from django.conf import settings
 from redis.exceptions import RedisError
 
+from tenants.usage_stream import UsageEvent
+
 from . import metrics
 from .admission import Decision, cost_units, quota_scopes
 from .assemble import assembles
@@ -227,8 +229,32 @@ async def admit(router: Router, checked: Checked, request_id: str) -> tuple[Deci
         input_reserve=checked.input_bound,
         output_reserve=checked.output_bound,
         spend_reserve=cost_units(prices, checked.input_bound, 0, checked.output_bound),
+        orphan_event=orphan_event(checked, request_id) if under_quota else None,
     )
     return decision, prices
+
+
+def orphan_event(checked: Checked, request_id: str) -> str:
+    """The usage event a request gets if its replica dies before it ends (routing/admission.py, REAP): failed,
+    with no tokens, since what the engine did is known only to the replica that died."""
+    key, deployment = checked.key, checked.deployment
+    return UsageEvent(
+        request_id=request_id,
+        tenant_id=key.tenant_id,
+        team_id=key.team_id,
+        api_key_id=key.id,
+        deployment_id=deployment.id,
+        model=deployment.served_model_name,
+        endpoint="",
+        prompt_tokens=0,
+        cached_prompt_tokens=0,
+        output_tokens=0,
+        ttft_ms=None,
+        latency_ms=None,
+        status="failed",
+        created_at=datetime.now(UTC),
+        priority_class=checked.priority,
+    ).encode()
 
 
 async def place(router: Router, checked: Checked, path: str, request_id: str) -> RequestContext:

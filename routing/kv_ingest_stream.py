@@ -14,6 +14,7 @@ import time
 from urllib.parse import urlsplit
 
 import httpx
+import redis
 import zmq
 from django.db import close_old_connections
 
@@ -53,6 +54,9 @@ class KVIngester:
         self.sockets: dict[int, zmq.Socket] = {}  # endpoint id -> its SUB socket (connect mode)
         self.socket_source: dict[zmq.Socket, int] = {}
         self.replay_endpoints: dict[int, object] = {}
+        # Per endpoint, the first batch its last replay applied: live batches at or after it, up to the last one
+        # applied, waited in the socket during the replay and are skipped, not taken for an engine restart.
+        self.replayed_from: dict[int, int] = {}
         self.by_netloc: dict[str, int] = {}
         self.deployments: list[int] = []
         self.central: zmq.Socket | None = None
@@ -73,26 +77,52 @@ class KVIngester:
         self._clear_orphans()
 
     def run(self, stop: threading.Event) -> None:
+        """Follow the engines until `stop`. Redis going away does not end it: events that arrive meanwhile cannot
+        be written, so once Redis answers again every endpoint's entries are rebuilt from nothing (and from the
+        engine's replay where it has one), as after a restart of the ingester."""
         self.start()
         next_refresh = next_expire = next_version = time.monotonic()
+        down_since: float | None = None
         try:
             while not stop.is_set():
-                self.poll_once(100)
-                now = time.monotonic()
-                if now >= next_version:
-                    next_version = now + 0.25
-                    version = self.redis.get(CONFIG_VERSION_KEY)
-                    if version != self._config_version:
-                        self._config_version = version
-                        next_refresh = now
-                if now >= next_refresh:
-                    next_refresh = now + self.refresh_s
-                    self.refresh()
-                if now >= next_expire:
-                    next_expire = now + self.expire_s
-                    self.expire_speculative()
+                try:
+                    if down_since is not None:
+                        self.rebuild_all()
+                        log.warning(
+                            "kv ingester: Redis is back after %.0f s; every endpoint's entries rebuilt",
+                            time.monotonic() - down_since,
+                        )
+                        down_since = None
+                    self.poll_once(100)
+                    now = time.monotonic()
+                    if now >= next_version:
+                        next_version = now + 0.25
+                        version = self.redis.get(CONFIG_VERSION_KEY)
+                        if version != self._config_version:
+                            self._config_version = version
+                            next_refresh = now
+                    if now >= next_refresh:
+                        next_refresh = now + self.refresh_s
+                        self.refresh()
+                    if now >= next_expire:
+                        next_expire = now + self.expire_s
+                        self.expire_speculative()
+                except redis.RedisError as exc:
+                    if down_since is None:
+                        down_since = time.monotonic()
+                        log.warning(
+                            "kv ingester: Redis unavailable (%r); its index is rebuilt once it is back", exc
+                        )
+                    self.writes = Writes(self.redis)  # what was queued is lost with the events it came from
+                    stop.wait(0.5)
         finally:
             self.close()
+
+    def rebuild_all(self) -> None:
+        """Forget every endpoint and follow them again: their entries cleared, their sequences started anew."""
+        for endpoint_id in list(self.sources):
+            self.forget(endpoint_id)
+        self.refresh()
 
     def close(self) -> None:
         for sock in [*self.sockets.values(), *([self.central] if self.central else [])]:
@@ -161,6 +191,7 @@ class KVIngester:
         log.info("kv ingester: following endpoint %s (%s, events %s)", endpoint_id, url, events or "central")
 
     def forget(self, endpoint_id: int) -> None:
+        self.replayed_from.pop(endpoint_id, None)
         source = self.sources.pop(endpoint_id, None)
         self.fingerprints.pop(endpoint_id, None)
         self.replay_endpoints.pop(endpoint_id, None)
@@ -250,6 +281,10 @@ class KVIngester:
 
     def handle(self, writes: Writes, source: Source, seq: int, payload: bytes) -> None:
         """Apply one batch, keeping the stream in sequence."""
+        covered_from = self.replayed_from.pop(source.endpoint_id, None)
+        if covered_from is not None and covered_from <= seq <= source.last_seq:
+            self.replayed_from[source.endpoint_id] = covered_from
+            return  # applied from the replay already
         if seq <= source.last_seq:
             log.warning(
                 "kv ingester: endpoint %s sequence went back from %s to %s: engine restarted; clearing it",
@@ -295,9 +330,12 @@ class KVIngester:
                 )
                 clear_source(writes, source)
                 source.last_seq = batches[0][0] - 1
+            first = source.last_seq + 1
             for replayed_seq, payload in batches:
                 if replayed_seq == source.last_seq + 1:
                     self._apply(writes, source, replayed_seq, payload)
+            if source.last_seq >= first:
+                self.replayed_from[source.endpoint_id] = first
             log.info("kv ingester: endpoint %s replayed up to %s", source.endpoint_id, source.last_seq)
             if source.last_seq + 1 >= seq:
                 return

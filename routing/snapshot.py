@@ -197,6 +197,8 @@ def _ceilings(tenant) -> QuotaInfo:
 
 def load_snapshot(version: str = "") -> Snapshot:
     """Read everything the request path needs. Runs in a thread (sync ORM), a handful of queries."""
+    from django.db import close_old_connections, connection
+
     from serving.engine_keys import engine_api_key
     from serving.models import DesiredStatus, Endpoint, Health, ModelDeployment
     from tenants.models import (
@@ -209,6 +211,12 @@ def load_snapshot(version: str = "") -> Snapshot:
         priority_within,
     )
 
+    # This thread's connection may be one PostgreSQL dropped (a restart): no request cycle closes it here, so
+    # without this every reload after a restart failed with it, and the router refused every key once its
+    # snapshot was older than ROUTER_SNAPSHOT_FAIL_CLOSED_SECONDS.
+    # (Not inside a transaction, as a test's: that connection is the caller's, and open on purpose.)
+    if not connection.in_atomic_block:
+        close_old_connections()
     now = timezone.now()
     snapshot = Snapshot(version=version)
     team_models: dict[int, set[int]] = {}

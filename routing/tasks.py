@@ -7,3 +7,18 @@ from .load_scraper import endpoint_loads_scrape
 def scrape_engine_metrics() -> int:
     """Every second: the engines' queue depth and KV use, for least-loaded and load-aware routing."""
     return endpoint_loads_scrape()
+
+
+@shared_task(ignore_result=True)
+def restore_quota_counters() -> list[str]:
+    """Every few seconds: budget counters Redis lost raised back to the ledger (routing/quota_restore.py)."""
+    import redis
+    from django.conf import settings
+
+    from .quota_restore import quota_counters_restore
+
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    try:
+        return quota_counters_restore(client)
+    finally:
+        client.close()
