@@ -43,7 +43,7 @@ from .checks import (
     refuse_remote_media,
 )
 from .conversion import RenderError, first_media_part
-from .dialects import ANTHROPIC, OPENAI, RESPONSES, Dialect
+from .dialects import ANTHROPIC, OPENAI, Dialect
 from .engine_errors import refusal, route_missing_body
 from .finisher import Finisher
 from .flow import FlowControl
@@ -55,18 +55,14 @@ from .loop_lag import LoopLag
 from .pipeline import Pipeline
 from .prefix import PrefixRouting
 from .redis_pool import router_redis
+from .routes import MESSAGES, RESPONSES, ROUTES, listed
 from .snapshot import DeploymentInfo, KeyInfo, Snapshot, load_snapshot
 from .upstream import UpstreamError, UpstreamPool
 from .wire import JSON_HEADERS, Receive, Send, encode_headers, header, respond
 
 log = logging.getLogger(__name__)
 
-GENERATION_ROUTES: dict[str, Dialect] = {
-    "/v1/chat/completions": OPENAI,
-    "/v1/completions": OPENAI,
-    "/v1/messages": ANTHROPIC,
-    "/v1/responses": RESPONSES,
-}
+COUNT_TOKENS = "/v1/messages/count_tokens"
 
 
 class Router:
@@ -237,16 +233,16 @@ class Router:
 
     async def _serve(self, scope: dict, receive: Receive, send: Send) -> None:
         path, method = scope["path"], scope["method"]
-        dialect = GENERATION_ROUTES.get(path)
-        if dialect is not None:
+        route = ROUTES.get(path)
+        if route is not None:
             if method != "POST":
-                return await respond(send, 405, dialect.error_body(405, "Use POST."), JSON_HEADERS)
-            return await self._take_in(scope, receive, send, dialect)
+                return await respond(send, 405, route.dialect.error_body(405, "Use POST."), JSON_HEADERS)
+            return await self._take_in(scope, receive, send, route.dialect)
         if path == "/v1/models" and method == "GET":
             return await self.models(scope, send)
         if path.startswith("/v1/models/") and method == "GET":
             return await self.models(scope, send, path.removeprefix("/v1/models/"))
-        if path == "/v1/messages/count_tokens":
+        if path == COUNT_TOKENS:
             if method != "POST":
                 return await respond(send, 405, ANTHROPIC.error_body(405, "Use POST."), JSON_HEADERS)
             return await self._take_in(scope, receive, send, ANTHROPIC, counting=True)
@@ -255,18 +251,21 @@ class Router:
         if path in ("/health", "/healthz"):
             body = orjson.dumps({"status": "ok", "config_version": self.snapshot.version})
             return await respond(send, 200, body, JSON_HEADERS)
-        if path.startswith("/v1/responses/"):
+        if path.startswith(RESPONSES.path + "/"):
             message = (
                 "This gateway keeps no stored responses (each request may be served by another engine): send the "
                 "whole conversation in `input` with `store: false`, as Codex does."
             )
             return await respond(send, 404, OPENAI.error_body(404, message), JSON_HEADERS)
         message = (
-            f"No route {method} {path}. This router serves POST /v1/chat/completions, /v1/completions, "
-            "/v1/messages, /v1/messages/count_tokens and /v1/responses, and GET /v1/models."
+            f"No route {method} {path}. This router serves POST {listed([*ROUTES, COUNT_TOKENS], 'and')}, "
+            "and GET /v1/models."
         )
-        # In Anthropic's shape for Anthropic's clients (they send `anthropic-version`), else in OpenAI's.
-        anthropic = header(scope, b"anthropic-version") is not None or path.startswith("/v1/messages")
+        # In Anthropic's shape for Anthropic's clients (they send `anthropic-version`, or call below an Anthropic
+        # route), else in OpenAI's.
+        anthropic = header(scope, b"anthropic-version") is not None or any(
+            path.startswith(route.path) for route in ROUTES.values() if route.dialect is ANTHROPIC
+        )
         await respond(send, 404, (ANTHROPIC if anthropic else OPENAI).error_body(404, message), JSON_HEADERS)
 
     async def _take_in(
@@ -388,7 +387,7 @@ class Router:
             deployment = deployment_for(self.snapshot, payload, key)
             if not isinstance(payload.get("messages"), list) or not payload["messages"]:
                 raise HttpError(400, "`messages` must be a non-empty list.", "messages")
-            refuse_remote_media(payload, "/v1/messages", body)  # an engine may count it
+            refuse_remote_media(payload, MESSAGES.path, body)  # an engine may count it
             tokenizer = self.prefix.tokenizer_for(deployment)
             if tokenizer is None:
                 return await self._count_upstream(deployment, orjson.dumps(payload), send)
@@ -434,7 +433,7 @@ class Router:
         self.counting += 1
         try:
             async with asyncio.timeout(self.count_tokens_wait):
-                ids = await self.prefix.encode(tokenizer, payload, "/v1/messages")
+                ids = await self.prefix.encode(tokenizer, payload, MESSAGES.path)
         except RenderError as exc:
             raise HttpError(400, f"The request cannot be rendered for this model: {exc}", exc.param) from exc
         except (TimeoutError, BrokenProcessPool):
@@ -457,7 +456,7 @@ class Router:
         )
         try:
             async with self.upstream.post(
-                f"{endpoint.url}/v1/messages/count_tokens",
+                f"{endpoint.url}{COUNT_TOKENS}",
                 body,
                 [("content-type", "application/json"), ("authorization", f"Bearer {deployment.engine_key}")],
             ) as resp:
@@ -474,9 +473,7 @@ class Router:
         if status != 200:
             refused = refusal(ANTHROPIC, status, answer, endpoint.url)
             if refused.route_missing:
-                body = route_missing_body(
-                    ANTHROPIC, deployment.served_model_name, "/v1/messages/count_tokens"
-                )
+                body = route_missing_body(ANTHROPIC, deployment.served_model_name, COUNT_TOKENS)
                 return await respond(send, 404, body, JSON_HEADERS)
             status, answer = refused.status, refused.body
         await respond(send, status, answer, JSON_HEADERS)

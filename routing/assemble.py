@@ -14,12 +14,20 @@ from __future__ import annotations
 
 import orjson
 
+from .routes import ANTHROPIC_MESSAGES, CHAT_MESSAGES, PROMPT_TEXT, RESPONSES_INPUT, ROUTES
+
 
 def assembles(payload: dict, path: str) -> bool:
     """Whether a request its client did not stream is streamed from the engine and assembled here."""
     if payload.get("prompt_logprobs") is not None:
         return False
-    return not (path == "/v1/completions" and payload.get("echo") and payload.get("logprobs") is not None)
+    completion = ROUTES[path].renders == PROMPT_TEXT
+    return not (completion and payload.get("echo") and payload.get("logprobs") is not None)
+
+
+def assembler_for(path: str) -> Assembler:
+    """A new assembler of the answer's shape on this route (routing/routes.py: it follows from how it renders)."""
+    return ASSEMBLERS[ROUTES[path].renders]()
 
 
 class EngineStreamError(Exception):
@@ -355,9 +363,9 @@ class ResponsesAssembler(Assembler):
         return orjson.dumps(self.response)
 
 
-ASSEMBLERS = {
-    "/v1/chat/completions": ChatAssembler,
-    "/v1/completions": CompletionAssembler,
-    "/v1/messages": MessagesAssembler,
-    "/v1/responses": ResponsesAssembler,
+ASSEMBLERS: dict[str, type[Assembler]] = {
+    CHAT_MESSAGES: ChatAssembler,
+    PROMPT_TEXT: CompletionAssembler,
+    ANTHROPIC_MESSAGES: MessagesAssembler,
+    RESPONSES_INPUT: ResponsesAssembler,
 }

@@ -22,6 +22,7 @@ from .dialects import ANTHROPIC, Dialect
 from .fields import FieldError, public_fields, remote_media
 from .flow import CLASSES as PRIORITY_CLASSES
 from .pipeline import RequestContext
+from .routes import ROUTES
 from .snapshot import DeploymentInfo, KeyInfo, Snapshot
 from .tokenize import RouterTokenizer, token_ids
 from .wire import Receive, header
@@ -257,7 +258,7 @@ def validate(
                 field,
             )
     elif dialect is ANTHROPIC:
-        raise HttpError(400, "`max_tokens` is required.", "max_tokens")
+        raise HttpError(400, f"`{field}` is required.", field)
     choices = payload.get("n", 1)
     if choices is None:
         choices = 1
@@ -305,7 +306,7 @@ def check_field_types(payload: dict, path: str) -> None:
     for field, kind in FIELD_TYPES.items():
         _check_type(payload.get(field), kind, field)
     # `logprobs`: whether to return them on chat completions, how many on text completions.
-    _check_type(payload.get("logprobs"), INTEGER if path == "/v1/completions" else BOOLEAN, "logprobs")
+    _check_type(payload.get("logprobs"), BOOLEAN if ROUTES[path].templated else INTEGER, "logprobs")
     options = payload.get("stream_options")
     for field, kind in STREAM_OPTION_TYPES.items() if isinstance(options, dict) else ():
         _check_type(options.get(field), kind, f"stream_options.{field}")
@@ -347,7 +348,7 @@ def over_context(
         return None
     limit = deployment.max_model_len
     field, max_tokens = output_limit(payload, path)
-    param = "prompt" if "prompt" in payload else "input" if path == "/v1/responses" else "messages"
+    param = "prompt" if "prompt" in payload else ROUTES[path].prompt
     if prompt >= limit:
         return HttpError(
             400,
@@ -372,7 +373,7 @@ def over_logprob_limit(
     for ROUTER_MAX_PROMPT_LOGPROB_ENTRIES of them (prompt tokens x (logprobs + 1)), the prompt counted by the
     router (or bounded by its bytes when it was not)."""
     asked, field = payload.get("prompt_logprobs"), "prompt_logprobs"
-    if asked is None and path == "/v1/completions" and payload.get("echo"):
+    if asked is None and not ROUTES[path].templated and payload.get("echo"):
         asked, field = payload.get("logprobs"), "logprobs"
     if not isinstance(asked, int) or isinstance(asked, bool):
         return None
@@ -397,17 +398,10 @@ def over_logprob_limit(
 
 
 def output_limit(payload: dict, path: str) -> tuple[str, object]:
-    """The output limit the engine reads on this route, and its field: vLLM reads `max_completion_tokens` (else
-    `max_tokens`) on chat completions, `max_tokens` on completions and messages, `max_output_tokens` on
-    responses. Only that field sets the reservation, so no other field can make it smaller than the answer."""
-    if path == "/v1/chat/completions":
-        value = payload.get("max_completion_tokens")
-        if value is not None:
-            return "max_completion_tokens", value
-        return "max_tokens", payload.get("max_tokens")
-    if path == "/v1/responses":
-        return "max_output_tokens", payload.get("max_output_tokens")
-    return "max_tokens", payload.get("max_tokens")
+    """The output limit the engine reads on this route, and its field (routing/routes.py: `max_completion_tokens`,
+    else `max_tokens`, on chat completions, `max_output_tokens` on responses). Only that field sets the
+    reservation, so no other field can make it smaller than the answer."""
+    return ROUTES[path].output_limit_of(payload)
 
 
 _overheads: WeakKeyDictionary = WeakKeyDictionary()

@@ -18,6 +18,7 @@ from . import metrics
 from .dialects import OPENAI, Usage
 from .load import EndpointLoad
 from .pipeline import Candidate, RequestContext
+from .routes import ROUTES
 from .snapshot import PREFILL_ROLES, DeploymentInfo, EndpointInfo
 from .upstream import UpstreamError
 
@@ -32,7 +33,6 @@ REMOTE_DECODE = {
     "remote_host": None,
     "remote_port": None,
 }
-DISAGG_PATHS = ("/v1/completions", "/v1/chat/completions")  # the routes a prefill leg can run for
 
 log = logging.getLogger(__name__)
 
@@ -130,9 +130,10 @@ class Prefilled:
 async def prefill_elsewhere(
     exchange: Exchange, decode: Candidate, candidates: list[Candidate], tried: bool
 ) -> Prefilled:
-    """Run the prefill leg on another engine when the plan says so. `tried`: a leg already ran for this request."""
+    """Run the prefill leg on another engine when the plan says so, on a route that may be disaggregated
+    (routing/routes.py). `tried`: a leg already ran for this request."""
     request, router = exchange.request, exchange.router
-    if request.dialect is not OPENAI or request.scope["path"] not in DISAGG_PATHS or tried:
+    if not ROUTES[request.scope["path"]].disaggregated or tried:
         return Prefilled(request.body, tried)
 
     def prefill_choice():

@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 import orjson
 
 from .dialects import ANTHROPIC, Dialect
+from .routes import ROUTES, listed
 
 MAX_MESSAGE = 2000  # characters of an engine's message passed on
 
@@ -57,8 +58,8 @@ def refusal(dialect: Dialect, status: int, body: bytes, engine_url: str) -> Refu
 def route_missing_body(dialect: Dialect, model: str, path: str) -> bytes:
     message = (
         f"The engines serving `{model}` do not offer POST {path}: call this model through another API this "
-        "gateway serves (/v1/chat/completions, /v1/completions, /v1/messages or /v1/responses), or ask the "
-        "operator to deploy it on an engine that offers this one."
+        f"gateway serves ({listed(ROUTES, 'or')}), or ask the operator to deploy it on an engine that offers "
+        "this one."
     )
     return dialect.error_body(404, message)
 

@@ -15,7 +15,7 @@ from django.conf import settings
 
 from . import metrics
 from .admission import cost_units
-from .assemble import ASSEMBLERS, Assembler, EngineStreamError
+from .assemble import Assembler, EngineStreamError, assembler_for
 from .dialects import OPENAI, USAGE_KEY, Dialect, Usage, last_usage
 from .disagg import prefill_elsewhere
 from .engine_errors import refusal, route_missing_body
@@ -337,7 +337,7 @@ class Exchange:
                     # took for a stream is read (and billed) as the answer it is.
                     if b"text/event-stream" in (resp.header(b"content-type") or b""):
                         if request.assemble:
-                            self.assembler = ASSEMBLERS[request.scope["path"]]()
+                            self.assembler = assembler_for(request.scope["path"])
                         await self._relay_stream(resp, deadline)
                     else:
                         await self._relay_body(resp)
@@ -554,7 +554,7 @@ class Exchange:
             metrics.of(metrics.errors, self.model, "answer_too_large").inc()
             message = f"The answer has an event {exc}, more than this gateway relays. Ask for fewer logprobs"
             if self.assembler is not None or not self.response_started:
-                self.assembler = self.assembler or ASSEMBLERS[self.request.scope["path"]]()
+                self.assembler = self.assembler or assembler_for(self.request.scope["path"])
                 return await self._assembly_failed(502, message)
             return await self._stream_failed(resp, message)
         except UpstreamError as exc:

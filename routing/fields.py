@@ -2,177 +2,16 @@
 
 An engine trusts its caller: vLLM reads engine-internal fields (`kv_transfer_params`, `cache_salt`, `priority`,
 a whole `chat_template`, custom logits processors) from the same JSON body as the sampling parameters. A client's
-body is therefore cut down to the fields listed here before it is forwarded; the router then sets the internal
-ones itself. A field that would change how the prompt is rendered, or that makes the engine fetch a URL, is
-refused with a 400 rather than dropped, so the client learns why its request would not mean what it asked.
-docs/request-fields.md lists the fields per route.
+body is therefore cut down to its route's public fields (routing/routes.py, listed in docs/request-fields.md)
+before it is forwarded; the router then sets the internal ones itself. A field that would change how the prompt
+is rendered, or that makes the engine fetch a URL, is refused with a 400 rather than dropped, so the client learns
+why its request would not mean what it asked.
 """
 
 from __future__ import annotations
 
-# Sampling and output controls vLLM takes on top of OpenAI's, on chat and text completions.
-VLLM_SAMPLING = frozenset(
-    {
-        "top_k",
-        "min_p",
-        "repetition_penalty",
-        "length_penalty",
-        "stop_token_ids",
-        "include_stop_str_in_output",
-        "ignore_eos",
-        "min_tokens",
-        "skip_special_tokens",
-        "spaces_between_special_tokens",
-        "truncate_prompt_tokens",
-        "prompt_logprobs",
-        "allowed_token_ids",
-        "bad_words",
-        "structured_outputs",
-        "return_tokens_as_token_ids",
-        "return_token_ids",
-        "return_token_offsets",
-        "logprob_token_ids",
-        "thinking_token_budget",
-        "repetition_detection",
-        "stream_interval",
-    }
-)
-
-OPENAI_SHARED = frozenset(
-    {
-        "model",
-        "stream",
-        "stream_options",
-        "temperature",
-        "top_p",
-        "n",
-        "stop",
-        "presence_penalty",
-        "frequency_penalty",
-        "logit_bias",
-        "logprobs",
-        "seed",
-        "user",
-        "response_format",
-    }
-)
-
-CHAT_COMPLETIONS = (
-    OPENAI_SHARED
-    | VLLM_SAMPLING
-    | frozenset(
-        {
-            "messages",
-            "max_tokens",
-            "max_completion_tokens",
-            "top_logprobs",
-            "tools",
-            "tool_choice",
-            "parallel_tool_calls",
-            "functions",
-            "function_call",
-            "reasoning_effort",
-            "metadata",
-            "store",
-            "service_tier",
-            "prompt_cache_key",
-            "safety_identifier",
-            "verbosity",
-            "modalities",
-            "prediction",
-            "web_search_options",
-            "include_reasoning",
-            # Template options the router's own renderer applies too (routing/tokenize.py).
-            "add_generation_prompt",
-            "continue_final_message",
-            "chat_template_kwargs",
-            "echo",
-            "add_special_tokens",
-            "documents",
-        }
-    )
-)
-
-COMPLETIONS = (
-    OPENAI_SHARED
-    | VLLM_SAMPLING
-    | frozenset({"prompt", "max_tokens", "echo", "suffix", "best_of", "add_special_tokens"})
-)
-
-MESSAGES = frozenset(
-    {
-        "model",
-        "messages",
-        "system",
-        "max_tokens",
-        "metadata",
-        "stop_sequences",
-        "stream",
-        "temperature",
-        "top_p",
-        "top_k",
-        "tools",
-        "tool_choice",
-        "thinking",
-        "service_tier",
-        "context_management",
-        "output_format",
-        "output_config",
-        "chat_template_kwargs",
-    }
-)
-
-RESPONSES = frozenset(
-    {
-        "model",
-        "input",
-        "instructions",
-        "tools",
-        "tool_choice",
-        "parallel_tool_calls",
-        "max_output_tokens",
-        "max_tool_calls",
-        "temperature",
-        "top_p",
-        "top_logprobs",
-        "stream",
-        "store",
-        "reasoning",
-        "text",
-        "include",
-        "metadata",
-        "prompt_cache_key",
-        "safety_identifier",
-        "service_tier",
-        "truncation",
-        "user",
-        "previous_response_id",
-        "background",
-        # vLLM's sampling extras on this route
-        "frequency_penalty",
-        "presence_penalty",
-        "logit_bias",
-        "seed",
-        "stop",
-        "top_k",
-        "min_p",
-        "repetition_penalty",
-        "ignore_eos",
-        "include_stop_str_in_output",
-        "skip_special_tokens",
-        "stop_token_ids",
-        "structured_outputs",
-        "include_reasoning",
-        "chat_template_kwargs",
-    }
-)
-
-ALLOWED: dict[str, frozenset[str]] = {
-    "/v1/chat/completions": CHAT_COMPLETIONS,
-    "/v1/completions": COMPLETIONS,
-    "/v1/messages": MESSAGES,
-    "/v1/responses": RESPONSES,
-}
+from .dialects import RESPONSES
+from .routes import ROUTES
 
 # Fields a client may not set, with what to do instead: each would change what the engine renders or runs.
 REFUSED = {
@@ -192,14 +31,15 @@ class FieldError(ValueError):
 def public_fields(payload: dict, path: str) -> tuple[dict, list[str]]:
     """The request as the engine may see it, and the names of the fields dropped (for the log and a header).
     Raises FieldError for a field that must not be silently dropped."""
-    allowed = ALLOWED[path]
+    route = ROUTES[path]
+    allowed = route.fields
     for name, reason in REFUSED.items():
         if name in payload:
             raise FieldError(reason, name)
     template_options = payload.get("chat_template_kwargs")
     if isinstance(template_options, dict) and "chat_template" in template_options:
         raise FieldError(REFUSED["chat_template"], "chat_template_kwargs")
-    if path == "/v1/responses" and payload.get("background"):
+    if route.dialect is RESPONSES and payload.get("background"):
         raise FieldError(
             "Background responses are not available: this gateway keeps no stored responses. Remove "
             "`background`, and stream the answer or wait for it.",
@@ -228,8 +68,10 @@ def remote_media(payload: dict, path: str, body: bytes | None = None) -> str | N
     marker of a URL. An engine fetching a client's URL would reach whatever the engine's network reaches."""
     if body is not None and not any(marker in body for marker in MEDIA_URL_MARKERS):
         return None
-    where = "input" if path == "/v1/responses" else "messages"
-    return _fetching_part(payload.get(where), where)
+    route = ROUTES[path]
+    if not route.templated:
+        return None  # a text prompt or token ids: no parts
+    return _fetching_part(payload.get(route.prompt), route.prompt)
 
 
 def _fetching_part(value, where: str) -> str | None:

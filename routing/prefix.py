@@ -84,8 +84,9 @@ class PrefixRouting:
         return self._tokenizers[key]
 
     async def encode(self, tokenizer: RouterTokenizer, payload: dict, path: str) -> array | None:
-        """A request's prompt token ids (tokenize_pool.prompt_tokens): in a worker process when its JSON is at
-        least ROUTER_TOKENIZE_POOL_MIN_BYTES long, else on the tokenizing thread."""
+        """A request's prompt token ids (tokenize_pool.prompt_tokens), from where its route (`path`, in
+        routing/routes.py) holds the prompt and rendered as that route renders it: in a worker process when its
+        JSON is at least ROUTER_TOKENIZE_POOL_MIN_BYTES long, else on the tokenizing thread."""
         loop = asyncio.get_running_loop()
         if self.pool is not None:
             try:

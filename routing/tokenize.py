@@ -33,12 +33,10 @@ from .conversion import (
     each,
     responses_chat_request,
 )
+from .routes import ANTHROPIC_MESSAGES, CHAT_COMPLETIONS, RESPONSES_INPUT, ROUTES
 from .shared_tokens import SharedPieces
 
 log = logging.getLogger(__name__)
-
-CHAT, MESSAGES, RESPONSES = "/v1/chat/completions", "/v1/messages", "/v1/responses"
-PATHS = (CHAT, MESSAGES, RESPONSES)
 
 
 def token_ids(prompt) -> array | None:
@@ -186,19 +184,20 @@ class RouterTokenizer:
         self.conversations = Conversations(RECENT_MAX_CHARS)
 
     def chat_inputs(
-        self, payload: dict, path: str = CHAT, conversation: Conversation | None = None
+        self, payload: dict, path: str = CHAT_COMPLETIONS.path, conversation: Conversation | None = None
     ) -> ChatInputs:
-        """What the engine's template will see for a request to `path` (chat completions, Anthropic messages or
-        Responses); RenderError when it cannot be rendered. With `conversation`, the messages converted for its
-        last turn are reused where they are unchanged (Responses input items, which join each other, are
-        converted whole)."""
-        if path == MESSAGES:
+        """What the engine's template will see for a request to `path` (a route rendered as chat completions,
+        Anthropic messages or Responses: routing/routes.py); RenderError when it cannot be rendered. With
+        `conversation`, the messages converted for its last turn are reused where they are unchanged (Responses
+        input items, which join each other, are converted whole)."""
+        renders = ROUTES[path].renders
+        if renders == ANTHROPIC_MESSAGES:
             payload = anthropic_chat_request(
                 payload,
                 merge_inline_system=self.merge_inline_system,
                 each=conversation.layer("anthropic").map if conversation else each,
             )
-        elif path == RESPONSES:
+        elif renders == RESPONSES_INPUT:
             payload = responses_chat_request(payload)
         return chat_inputs(
             payload, self.traits, each=conversation.layer("chat").map if conversation else each
@@ -237,8 +236,9 @@ class RouterTokenizer:
     def render_prompt(self, payload: dict, path: str) -> tuple[str, tuple[str, int] | None]:
         """The prompt text, and the recent text its leading characters are known to equal, with how many (for
         `encode_text`)."""
-        messages = payload.get("input" if path == RESPONSES else "messages")
-        if self.split is None or path not in PATHS or not isinstance(messages, list) or not messages:
+        route = ROUTES[path]
+        messages = payload.get(route.prompt)
+        if self.split is None or not route.templated or not isinstance(messages, list) or not messages:
             return self.render(self.chat_inputs(payload, path)), None
         conversation = self.conversations.find(path, messages)
         inputs = self.chat_inputs(payload, path, conversation)

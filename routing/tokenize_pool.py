@@ -25,8 +25,9 @@ from itertools import islice
 import orjson
 
 from .conversion import RenderError
+from .routes import ROUTES
 from .shared_tokens import Sharing
-from .tokenize import RESPONSES, RouterTokenizer
+from .tokenize import RouterTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,8 @@ def prompt_tokens(tokenizer: RouterTokenizer, payload: dict, path: str) -> array
     prompt = payload.get("prompt")
     if isinstance(prompt, str):
         return tokenizer.encode_prompt(prompt)
-    if not isinstance(payload.get("input" if path == RESPONSES else "messages"), list | str):
+    route = ROUTES[path]
+    if not route.templated or not isinstance(payload.get(route.prompt), list | str):
         return None
     return tokenizer.encode_request(payload, path)
 
@@ -158,7 +160,7 @@ def worker_for(payload: dict, path: str, processes: int) -> int:
         return 0
     head = payload.get("prompt")
     if not isinstance(head, str):
-        messages = payload.get("input" if path == RESPONSES else "messages")
+        messages = payload.get(ROUTES[path].prompt)
         head = messages[:1] if isinstance(messages, list) else messages
         head = [payload.get("system"), payload.get("instructions"), head]
     digest = hashlib.blake2b(_head_text(head).encode(errors="replace"), digest_size=8).digest()

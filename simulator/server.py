@@ -33,6 +33,7 @@ from routing.conversion import (
     chat_inputs,
     responses_chat_request,
 )
+from routing.routes import ANTHROPIC_MESSAGES, CHAT_MESSAGES, PROMPT_TEXT, RESPONSES_INPUT, ROUTES
 from routing.tokenize import rejects_inline_system, template_traits
 from serving.engine_plugins.tool_arguments import example_arguments
 
@@ -307,11 +308,16 @@ class SimulatorApp:
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/chat/completions", self.chat_completions)
-        app.router.add_post("/v1/messages", self.messages)
+        # The generation routes are the router's (routing/routes.py), each served as vLLM serves its kind.
+        generation = {
+            PROMPT_TEXT: self.completions,
+            CHAT_MESSAGES: self.chat_completions,
+            ANTHROPIC_MESSAGES: self.messages,
+            RESPONSES_INPUT: self.responses,
+        }
+        for route in ROUTES.values():
+            app.router.add_post(route.path, generation[route.renders])
         app.router.add_post("/v1/messages/count_tokens", self.count_tokens)
-        app.router.add_post("/v1/responses", self.responses)
         app.router.add_get("/v1/responses/{response_id}", self.stored_response)
         app.router.add_post("/v1/responses/{response_id}/cancel", self.stored_response)
         return app
