@@ -56,6 +56,8 @@ INSTALLED_APPS = [
     "serving",
     "routing",
     "portal",
+    "sso",
+    "alerts",
 ]
 
 MIDDLEWARE = [
@@ -173,6 +175,17 @@ CELERY_BEAT_SCHEDULE = {
         "schedule": 3600.0,
         "options": {"expires": 3600.0},
     },
+    # Alerts (alerts/): every rule checked, and deliveries due for a retry sent.
+    "evaluate-alerts": {
+        "task": "alerts.tasks.evaluate_alerts",
+        "schedule": float(env_secret("ALERT_EVALUATE_EVERY_S") or 30.0),
+        "options": {"expires": 30.0},
+    },
+    "deliver-due-alerts": {
+        "task": "alerts.tasks.deliver_due",
+        "schedule": 10.0,
+        "options": {"expires": 10.0},
+    },
 }
 
 # Local engines (the `local` orchestrator).
@@ -237,6 +250,7 @@ LOGIN_REDIRECT_URL = "portal:home"
 # "Axes" pages; `manage.py axes_reset` unlocks).
 AUTHENTICATION_BACKENDS = [
     "axes.backends.AxesStandaloneBackend",
+    "sso.backends.LocalSignInSwitch",  # refuses passwords when LOCAL_SIGN_IN is off
     "django.contrib.auth.backends.ModelBackend",
 ]
 AXES_FAILURE_LIMIT = env_int("AXES_FAILURE_LIMIT", 5)
@@ -248,6 +262,32 @@ AXES_LOCKOUT_CALLABLE = "inference_platform.sign_in_limits.lockout_response"
 # proxies in front of the web process, 1 by default); without one it is the connection's own address.
 TRUSTED_PROXY_COUNT = env_int("TRUSTED_PROXY_COUNT", 1) if env_bool("BEHIND_TLS_PROXY", False) else 0
 AXES_CLIENT_IP_CALLABLE = "inference_platform.sign_in_limits.client_ip"
+# Single sign-on's callback carries no password: django-axes neither counts nor locks it out.
+AXES_WHITELIST_CALLABLE = "sso.backends.outside_sign_in_limits"
+
+# Single sign-on with OpenID Connect (sso/, mozilla-django-oidc; README "Single sign-on (OpenID Connect)"): off
+# unless OIDC_RP_CLIENT_ID is set. The provider's redirect URI is https://<host>/sso/callback/.
+OIDC_RP_CLIENT_ID = env_secret("OIDC_RP_CLIENT_ID") or ""
+OIDC_RP_CLIENT_SECRET = env_secret("OIDC_RP_CLIENT_SECRET") or ""
+OIDC_OP_AUTHORIZATION_ENDPOINT = env_secret("OIDC_OP_AUTHORIZATION_ENDPOINT") or ""
+OIDC_OP_TOKEN_ENDPOINT = env_secret("OIDC_OP_TOKEN_ENDPOINT") or ""
+OIDC_OP_USER_ENDPOINT = env_secret("OIDC_OP_USER_ENDPOINT") or ""
+OIDC_OP_JWKS_ENDPOINT = env_secret("OIDC_OP_JWKS_ENDPOINT") or ""
+OIDC_RP_SIGN_ALGO = env_secret("OIDC_RP_SIGN_ALGO") or "RS256"
+OIDC_RP_SCOPES = env_secret("OIDC_RP_SCOPES") or "openid email profile"
+OIDC_GROUPS_CLAIM = env_secret("OIDC_GROUPS_CLAIM") or "groups"
+OIDC_PROVIDER_NAME = env_secret("OIDC_PROVIDER_NAME") or "single sign-on"
+OIDC_USE_PKCE = True
+OIDC_TIMEOUT = env_int("OIDC_TIMEOUT_S", 10)
+OIDC_AUTHENTICATION_CALLBACK_URL = "sso:callback"
+# Username-and-password sign-in (the portal's, the admin's and the browsable API's forms, POST /api/auth/token/).
+LOCAL_SIGN_IN = env_bool("LOCAL_SIGN_IN", True)
+if OIDC_RP_CLIENT_ID:
+    AUTHENTICATION_BACKENDS.append("sso.backends.OidcBackend")
+elif not LOCAL_SIGN_IN:
+    raise ImproperlyConfigured(
+        "LOCAL_SIGN_IN=off needs single sign-on: set OIDC_RP_CLIENT_ID and the OIDC_OP_*."
+    )
 
 # Personal API tokens (django-rest-knox): only a SHA-512 digest is stored; each expires.
 REST_KNOX = {
@@ -422,6 +462,28 @@ USAGE_INGEST_BATCH_SIZE = env_int("USAGE_INGEST_BATCH_SIZE", 500)
 # One ingest run drains the stream for at most this long; beat starts the next every two seconds.
 USAGE_INGEST_MAX_SECONDS = float(env_secret("USAGE_INGEST_MAX_SECONDS") or 10.0)
 USAGE_DEFAULT_CURRENCY = env_secret("USAGE_DEFAULT_CURRENCY") or "USD"
+
+# Alerts (alerts/; README "Alerts"). E-mail goes through Django's e-mail backend: SMTP at EMAIL_HOST.
+EMAIL_BACKEND = env_secret("EMAIL_BACKEND") or "django.core.mail.backends.smtp.EmailBackend"
+EMAIL_HOST = env_secret("EMAIL_HOST") or "localhost"
+EMAIL_PORT = env_int("EMAIL_PORT", 25)
+EMAIL_HOST_USER = env_secret("EMAIL_HOST_USER") or ""
+EMAIL_HOST_PASSWORD = env_secret("EMAIL_HOST_PASSWORD") or ""
+EMAIL_USE_TLS = env_bool("EMAIL_USE_TLS", False)
+EMAIL_USE_SSL = env_bool("EMAIL_USE_SSL", False)
+EMAIL_TIMEOUT = env_int("EMAIL_TIMEOUT", 10)
+DEFAULT_FROM_EMAIL = env_secret("DEFAULT_FROM_EMAIL") or "alerts@localhost"
+ALERT_EMAIL_FROM = env_secret("ALERT_EMAIL_FROM") or DEFAULT_FROM_EMAIL
+# A failed delivery is retried after BACKOFF_S, doubling each time (at most an hour), ATTEMPTS times in all.
+ALERT_DELIVERY_ATTEMPTS = env_int("ALERT_DELIVERY_ATTEMPTS", 6)
+ALERT_DELIVERY_BACKOFF_S = env_int("ALERT_DELIVERY_BACKOFF_S", 30)
+ALERT_WEBHOOK_TIMEOUT_S = float(env_secret("ALERT_WEBHOOK_TIMEOUT_S") or 10.0)
+# A tenant's webhooks may reach only public addresses unless this is on; the operators' may reach any.
+ALERT_WEBHOOK_ALLOW_PRIVATE = env_bool("ALERT_WEBHOOK_ALLOW_PRIVATE", False)
+# The routers' /metrics URLs (comma-separated), read for their usage journals (with ROUTER_METRICS_TOKEN).
+ALERT_ROUTER_METRICS_URLS = env_list("ALERT_ROUTER_METRICS_URLS", [])
+# The portal's address, for links in alerts (e.g. https://platform.example.com). Blank: no link.
+ALERT_PORTAL_URL = env_secret("ALERT_PORTAL_URL") or ""
 
 # Kubernetes (the `kubernetes` orchestrator; see README "Kubernetes").
 # Cluster access: the pod's service account when in a cluster, else a kubeconfig file and context.

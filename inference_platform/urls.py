@@ -4,6 +4,7 @@ from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from rest_framework.routers import DefaultRouter
 
+from alerts.api import views as alerts
 from routing.api.views import RoutingPolicyViewSet
 from serving.api.views import AutoscalingPolicyViewSet, ModelDeploymentViewSet, ScalingEventViewSet
 from tenants.api import reports, tokens
@@ -23,6 +24,10 @@ router.register("autoscaling-policies", AutoscalingPolicyViewSet, basename="auto
 router.register("scaling-events", ScalingEventViewSet, basename="scalingevent")
 router.register("usage", tenants.UsageViewSet, basename="usage")
 router.register("audit-log", tenants.AuditLogViewSet, basename="auditlog")
+router.register("alert-destinations", alerts.DestinationViewSet, basename="alertdestination")
+router.register("alert-rules", alerts.AlertRuleViewSet, basename="alertrule")
+router.register("alerts", alerts.AlertViewSet, basename="alert")
+router.register("alert-deliveries", alerts.DeliveryViewSet, basename="alertdelivery")
 
 
 def healthz(request):
@@ -35,6 +40,7 @@ urlpatterns = [
     path("api/reports/usage.csv", reports.UsageReportCsvView.as_view(), name="report-usage-csv"),
     path("api/", include(router.urls)),
     path("portal/", include("portal.urls")),
+    path("sso/", include("sso.urls")),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
     path("api/auth/token/", tokens.TokenCreateView.as_view(), name="token-create"),

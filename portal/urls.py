@@ -1,7 +1,7 @@
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from . import views
+from . import alerts, views
 from .api import HistoryView
 from .forms import SignInForm
 
@@ -33,4 +33,10 @@ urlpatterns = [
     path("keys/<int:pk>/revoke/", views.key_revoke, name="key-revoke"),
     path("reports/", views.reports, name="reports"),
     path("reports/export.csv", views.reports_csv, name="reports-csv"),
+    path("alerts/", alerts.alerts_index, name="alerts"),
+    path("alerts/destinations/", alerts.destination_new, name="alert-destination-new"),
+    path("alerts/destinations/<int:pk>/delete/", alerts.destination_delete, name="alert-destination-delete"),
+    path("alerts/destinations/<int:pk>/secret/", alerts.destination_rotate, name="alert-destination-rotate"),
+    path("alerts/rules/", alerts.rule_new, name="alert-rule-new"),
+    path("alerts/rules/<int:pk>/delete/", alerts.rule_delete, name="alert-rule-delete"),
 ]
