@@ -81,6 +81,7 @@ class Router:
         self.finisher: Finisher | None = None
         self._started: asyncio.Future | None = None
         self._refresher: asyncio.Task | None = None
+        self._warming: asyncio.Task | None = None  # tokenizers loaded ahead of requests (PrefixRouting.warm)
         self.loop_lag = LoopLag()
         self._snapshot_at = 0.0
         self.max_body = settings.ROUTER_MAX_BODY_BYTES
@@ -144,6 +145,8 @@ class Router:
     async def stop(self) -> None:
         if self._refresher:
             self._refresher.cancel()
+        if self._warming:
+            self._warming.cancel()
         self.loop_lag.stop()
         if self.upstream:
             self.upstream.close()
@@ -174,6 +177,10 @@ class Router:
         ):
             self.snapshot = await sync_to_async(load_snapshot, thread_sensitive=False)(version)
             self._snapshot_at = time.monotonic()
+            if self.prefix is not None:
+                self._warming = asyncio.get_running_loop().create_task(
+                    self.prefix.warm(list(self.snapshot.deployments.values()))
+                )
         if redis_failed is not None:
             raise redis_failed
         await self._refresh_loads()

@@ -83,6 +83,27 @@ class PrefixRouting:
                 self._tokenizers[key] = None
         return self._tokenizers[key]
 
+    async def warm(self, deployments) -> None:
+        """Load the tokenizers of the deployments that route by the prompt, and start the tokenizing workers with
+        them, before their first request: on a busy host a worker's start and a tokenizer's load take seconds,
+        which the first large request would otherwise wait out (past ROUTER_TOKENIZE_WAIT_SECONDS it is routed
+        blind)."""
+        wanted = [
+            d
+            for d in deployments
+            if needs_prompt(d) and (d.tokenizer_path, d.chat_template) not in self._tokenizers
+        ]
+        if not wanted:
+            return
+        try:
+            if self.pool is not None:
+                self.pool.start()
+            loop = asyncio.get_running_loop()
+            for deployment in wanted:
+                await loop.run_in_executor(self._executor, self.tokenizer_for, deployment)
+        except Exception:  # a request loads what is missing then, as it would have without this
+            log.exception("could not load the tokenizers ahead of requests")
+
     async def encode(self, tokenizer: RouterTokenizer, payload: dict, path: str) -> array | None:
         """A request's prompt token ids (tokenize_pool.prompt_tokens), from where its route (`path`, in
         routing/routes.py) holds the prompt and rendered as that route renders it: in a worker process when its

@@ -99,7 +99,8 @@ class TokenizePool:
 
     def __init__(self, processes: int, start_method: str = "spawn", sharing: Sharing | None = None):
         # Spawned, the workers are the router's own children: they end with it, however it ends (a forkserver
-        # outlived its router, with its workers). They start at the first large request, not before.
+        # outlived its router, with its workers). The router starts them when a deployment routes by the prompt
+        # (PrefixRouting.warm), else at the first large request.
         self.processes = max(1, processes)
         self.context = multiprocessing.get_context(start_method)
         self.sharing = sharing

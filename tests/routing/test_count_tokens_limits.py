@@ -205,3 +205,30 @@ def test_a_large_count_does_not_stop_another_stream(streaming_fleet):
     # On the router's own thread the count holds its interpreter for about half a second; in a worker the
     # stream keeps its pace.
     assert max(gaps) < 0.25, f"the stream stopped for {max(gaps):.3f} s during a {ended - began:.2f} s count"
+
+
+def test_a_deployment_routed_by_the_prompt_has_its_tokenizer_and_workers_ready_before_its_first_request(
+    transactional_db,
+):
+    from routing.snapshot import DeploymentInfo, PolicyInfo
+
+    def deployment(id: int, mode: str) -> DeploymentInfo:
+        return DeploymentInfo(
+            id, f"d{id}", MODEL_NAME, 4096, 16, PolicyInfo(mode=mode), (), 0, tokenizer_path=str(MODEL_DIR)
+        )
+
+    routing = PrefixRouting(router_redis(settings.REDIS_URL, 1))
+
+    async def warm(deployments):
+        try:
+            await routing.warm(deployments)
+            return [executor is not None for executor in routing.pool._executors]
+        finally:
+            routing.pool.close()
+
+    # Routed on load alone: it needs no tokenizer, and nothing is started for it.
+    assert asyncio.run(warm([deployment(1, "least_loaded")])) == [False] * routing.pool.processes
+    assert routing._tokenizers == {}
+    started = asyncio.run(warm([deployment(2, "precise")]))
+    assert started == [True] * routing.pool.processes
+    assert routing._tokenizers[(str(MODEL_DIR), "")] is not None
