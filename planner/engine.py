@@ -1,0 +1,290 @@
+"""A simulated engine: continuous batching over a KV cache of fixed size with an LRU prefix cache of block hashes,
+as vLLM runs it, in virtual time.
+
+Blocks: a prompt's full blocks, once computed, enter the prefix cache under their hash and are shared by every
+sequence that uses them; the partial last block and the blocks of generated tokens are the sequence's own. A
+cached block no sequence uses stays until room is needed, least recently freed first. When a running sequence
+needs a block and none can be freed, the latest admitted sequence is preempted (its blocks freed, its tokens
+recomputed when it is admitted again), as vLLM does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .profile import Profile
+from .trace import TraceRequest, cached_tokens_for
+
+
+@dataclass(eq=False, slots=True)
+class Seq:
+    request: TraceRequest
+    blocks: tuple[int, ...]  # the prompt's full blocks (hash ids)
+    routed_s: float
+    target: int = (
+        0  # tokens to hold before the next token is sampled (the prompt, plus output after a preemption)
+    )
+    computed: int = 0  # of those, computed or found cached
+    generated: int = 0
+    cached_tokens: int = -1  # found cached at the first admission
+    admitted_s: float = -1.0
+    first_token_s: float = -1.0
+    finished_s: float = -1.0
+    preemptions: int = 0
+    pinned: list[int] = field(default_factory=list)  # cached blocks it uses, in prefix order
+    private: int = 0  # blocks of its own
+    router_state: object = None  # the router's bookkeeping for this request
+
+    @property
+    def context(self) -> int:
+        return self.request.input_tokens + self.generated
+
+    @property
+    def prefill_left(self) -> int:
+        return self.target - self.computed
+
+
+class Engine:
+    def __init__(
+        self,
+        engine_id: int,
+        profile: Profile,
+        block_tokens: int,
+        schedule: Callable[[float, Engine, int], None],
+        on_first_token: Callable[[Seq, float], None],
+        on_finish: Callable[[Seq, float], None],
+    ):
+        self.id = engine_id
+        self.profile = profile
+        self.bt = block_tokens
+        self.capacity = profile.kv_blocks(block_tokens)
+        self._schedule = schedule
+        self._on_first_token = on_first_token
+        self._on_finish = on_finish
+        self.ref: dict[int, int] = {}  # cached block -> sequences using it
+        self.free_lru: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody uses, least recent first
+        self.private_total = 0
+        self.running: list[Seq] = []
+        self.waiting: deque[Seq] = deque()
+        self.gen = 0  # the current iteration's event; a later one supersedes it
+        self.busy = False
+        self.busy_s = 0.0
+        # The iteration under way: start, step time, steps, prefill chunks, the decoding sequences.
+        self._start = 0.0
+        self._dt = 0.0
+        self._steps = 0
+        self._chunks: list[tuple[Seq, int]] = []
+        self._decoders: list[Seq] = []
+        self.preemptions = 0
+        self.rejected = 0
+        self.evictions = 0
+        self.itl: dict[
+            str, list[tuple[float, int]]
+        ] = {}  # tenant -> (inter-token gap, tokens), per iteration
+        self.peak_resident = 0
+
+    # The prefix cache, as the KV events report it.
+    def held(self, blocks: tuple[int, ...] | list[int]) -> int:
+        n = 0
+        ref = self.ref
+        for h in blocks:
+            if h not in ref:
+                break
+            n += 1
+        return n
+
+    def resident(self) -> int:
+        return len(self.ref) + self.private_total
+
+    def kv_usage(self) -> float:
+        """vLLM's KV-cache usage: blocks in use by sequences, against the capacity (cached free blocks count as free)."""
+        if not self.capacity:
+            return 0.0
+        return (self.resident() - len(self.free_lru)) / self.capacity
+
+    def _room(self, n: int) -> bool:
+        """Free `n` blocks, evicting unused cached ones least recent first; False when that is not enough."""
+        if self.capacity is None:
+            return True
+        short = self.resident() + n - self.capacity
+        while short > 0 and self.free_lru:
+            h, _ = self.free_lru.popitem(last=False)
+            del self.ref[h]
+            self.evictions += 1
+            short -= 1
+        return short <= 0
+
+    def _pin(self, h: int) -> None:
+        count = self.ref.get(h, 0)
+        if count == 0 and h in self.free_lru:
+            del self.free_lru[h]
+        self.ref[h] = count + 1
+
+    def _unpin(self, h: int) -> None:
+        count = self.ref[h] - 1
+        self.ref[h] = count
+        if count == 0:
+            self.free_lru[h] = None
+
+    def _admit(self, seq: Seq, now: float) -> bool:
+        matched = seq.blocks[: self.held(seq.blocks)]
+        for h in matched:
+            self._pin(h)
+        seq.target = seq.request.input_tokens + seq.generated
+        need = math.ceil(seq.target / self.bt) - len(matched)
+        if not self._room(need):
+            for h in reversed(matched):
+                self._unpin(h)
+            return False
+        seq.pinned = list(matched)
+        seq.private = need
+        self.private_total += need
+        seq.computed = cached_tokens_for(seq.request.input_tokens, len(matched), self.bt)
+        if seq.cached_tokens < 0:
+            seq.cached_tokens = seq.computed
+            seq.admitted_s = now
+        self._track()
+        return True
+
+    def _release(self, seq: Seq) -> None:
+        # The tail first, so that under pressure a prompt's later blocks go before its shared start.
+        for h in reversed(seq.pinned):
+            self._unpin(h)
+        seq.pinned = []
+        self.private_total -= seq.private
+        seq.private = 0
+
+    def _cache_prompt(self, seq: Seq) -> None:
+        """The prompt's computed full blocks enter the prefix cache (shared with an equal block already there)."""
+        for h in seq.blocks[len(seq.pinned) :]:
+            self._pin(h)
+            seq.pinned.append(h)
+            seq.private -= 1
+            self.private_total -= 1
+        self._track()
+
+    def _track(self) -> None:
+        resident = self.resident()
+        if resident > self.peak_resident:
+            self.peak_resident = resident
+
+    def _preempt_one(self) -> Seq:
+        victim = self.running.pop()
+        self._release(victim)
+        victim.computed = 0
+        victim.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(victim)
+        return victim
+
+    # Scheduling.
+    def submit(self, seq: Seq, now: float) -> None:
+        self.waiting.append(seq)
+        if not self.busy:
+            self._begin(now)
+        elif self._steps > 1:
+            # A decode run is under way: end it at the step in progress, so the new request joins the next step.
+            done = max(1, math.ceil((now - self._start) / self._dt - 1e-9))
+            if done < self._steps:
+                self._steps = done
+                self.gen += 1
+                self._schedule(self._start + done * self._dt, self, self.gen)
+
+    def _begin(self, now: float) -> None:
+        p = self.profile
+        while self.waiting and len(self.running) < p.max_num_seqs:
+            if not self._admit(self.waiting[0], now):
+                if not self.running:
+                    # It cannot fit even in an empty cache: refused, as an engine refuses a prompt over its limit.
+                    seq = self.waiting.popleft()
+                    self.rejected += 1
+                    seq.finished_s = now
+                    self._on_finish(seq, now)
+                    continue
+                break
+            self.running.append(self.waiting.popleft())
+        # Each decoding sequence needs room for the token it samples next.
+        while True:
+            short = [
+                s
+                for s in self.running
+                if s.prefill_left == 0 and s.context + 1 > self._blocks_of(s) * self.bt
+            ]
+            if not short:
+                break
+            s = short[0]
+            while not self._room(1):
+                victim = self._preempt_one()
+                if victim is s:
+                    break
+            if s in self.running:
+                s.private += 1
+                self.private_total += 1
+                self._track()
+        if not self.running:
+            self.busy = False
+            return
+        decoders = [s for s in self.running if s.prefill_left == 0]
+        budget = p.max_num_batched_tokens - len(decoders)
+        chunks: list[tuple[Seq, int]] = []
+        for s in self.running:
+            if budget <= 0:
+                break
+            left = s.prefill_left
+            if left > 0:
+                take = min(left, budget)
+                chunks.append((s, take))
+                budget -= take
+        context = sum(s.context for s in decoders)
+        if chunks or not decoders:
+            steps = 1
+            dt = p.iteration_s([(take, s.computed) for s, take in chunks], len(decoders), context)
+        else:
+            steps = min(s.request.output_tokens - s.generated for s in decoders)
+            steps = min(steps, min(self._blocks_of(s) * self.bt - s.context for s in decoders))
+            steps = max(1, steps)
+            # The context grows by one token a sequence a step: the run's step time is its middle step's.
+            dt = p.iteration_s([], len(decoders), context + len(decoders) * (steps - 1) // 2)
+        self.busy = True
+        self._start, self._dt, self._steps = now, dt, steps
+        self._chunks, self._decoders = chunks, decoders
+        self.gen += 1
+        self._schedule(now + steps * dt, self, self.gen)
+
+    def _blocks_of(self, s: Seq) -> int:
+        return len(s.pinned) + s.private
+
+    def step_done(self, now: float, gen: int) -> None:
+        if gen != self.gen:
+            return
+        steps, dt = self._steps, self._dt
+        self.busy_s += steps * dt
+        for s, take in self._chunks:
+            s.computed += take
+            if s.prefill_left == 0:
+                self._cache_prompt(s)
+                s.generated += 1
+                if s.first_token_s < 0:
+                    s.first_token_s = now
+                    self._on_first_token(s, now)
+        if self._decoders:
+            per_tenant: dict[str, int] = {}
+            for s in self._decoders:
+                s.generated += steps
+                t = s.request.tenant
+                per_tenant[t] = per_tenant.get(t, 0) + steps
+            for t, n in per_tenant.items():
+                self.itl.setdefault(t, []).append((dt, n))
+        finished = [s for s in self.running if s.prefill_left == 0 and s.generated >= s.request.output_tokens]
+        if finished:
+            done = set(finished)
+            self.running = [s for s in self.running if s not in done]
+            for s in finished:
+                s.finished_s = now
+                self._release(s)
+                self._on_finish(s, now)
+        self._chunks, self._decoders = [], []
+        self._begin(now)

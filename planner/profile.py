@@ -1,0 +1,66 @@
+"""An engine's performance profile: a few parameters, loaded from JSON, that give the time of one engine iteration
+(a step of continuous batching: prefill chunks and one decode token for each running sequence) and its KV
+capacity. See docs/planner.md#profiles for the model and the fields."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str = "unnamed"
+    source: str = ""  # where the numbers come from (measured, published, or illustrative)
+    step_fixed_s: float = 0.006  # every iteration: scheduling, sampling, kernel launches
+    prefill_per_token_s: float = 6e-5  # per prompt token computed (the linear layers)
+    # Attention of a prompt token over the context before it: seconds per token per 1,000 tokens of context (cached
+    # tokens count here, as they are read, though not computed).
+    prefill_attention_s: float = 2e-7
+    decode_per_seq_s: float = 2e-4  # per sequence decoding in the iteration
+    decode_per_ktoken_s: float = 2e-5  # per 1,000 tokens of context those sequences read
+    kv_capacity_tokens: int = 500_000
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 8192  # tokens one iteration computes: prefill chunks plus decode tokens
+    gpus_per_engine: int = 1
+    gpu_price_per_hour: float = 2.5
+
+    def kv_blocks(self, block_tokens: int) -> int | None:
+        """The KV capacity in blocks; None: unbounded (kv_capacity_tokens <= 0)."""
+        if self.kv_capacity_tokens <= 0:
+            return None
+        return max(1, self.kv_capacity_tokens // block_tokens)
+
+    def iteration_s(self, prefill: list[tuple[int, int]], decode_seqs: int, decode_context: int) -> float:
+        """One iteration: `prefill` lists (tokens computed now, tokens of context before them) per chunk; the
+        decode part is `decode_seqs` sequences reading `decode_context` tokens in all."""
+        t = self.step_fixed_s
+        for tokens, before in prefill:
+            t += tokens * (self.prefill_per_token_s + self.prefill_attention_s * (before + tokens / 2) / 1000)
+        if decode_seqs:
+            t += decode_seqs * self.decode_per_seq_s + self.decode_per_ktoken_s * decode_context / 1000
+        return t
+
+    def with_(self, **changes) -> Profile:
+        return Profile(**{**asdict(self), **changes})
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Profile:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known - {"comment"})
+        if unknown:
+            raise ValueError(f"unknown profile fields: {', '.join(unknown)}")
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    @classmethod
+    def load(cls, path: str | Path | None) -> Profile:
+        """A profile from a JSON file, or by name from planner/profiles/ (default: the illustrative one)."""
+        if path is None:
+            path = PROFILES_DIR / "illustrative-8b-h100.json"
+        p = Path(path)
+        if not p.exists() and (PROFILES_DIR / f"{path}.json").exists():
+            p = PROFILES_DIR / f"{path}.json"
+        return cls.from_dict(json.loads(p.read_text()))

@@ -1,0 +1,202 @@
+"""What a run reports, as the benchmarks report it: TTFT and ITL percentiles (overall and per tenant), throughput,
+cache hits against the ceiling, queueing, preemptions, engine-hours and the cost per million tokens."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .sim import Result
+from .trace import ceiling
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0-100), linear between the nearest ranks; nan for no values."""
+    if not values:
+        return math.nan
+    xs = sorted(values)
+    at = (len(xs) - 1) * q / 100
+    lo = math.floor(at)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (at - lo)
+
+
+def weighted_percentile(pairs: Sequence[tuple[float, int]], q: float) -> float:
+    """The q-th percentile of values given with their counts."""
+    total = sum(n for _, n in pairs)
+    if not total:
+        return math.nan
+    line = total * q / 100
+    seen = 0
+    for value, n in sorted(pairs):
+        seen += n
+        if seen >= line:
+            return value
+    return sorted(pairs)[-1][0]
+
+
+@dataclass
+class Summary:
+    mode: str
+    engines: int
+    requests: int
+    finished: int
+    rejected: int
+    ttft_p50: float
+    ttft_p90: float
+    itl_p50: float
+    itl_p90: float
+    queue_p50: float
+    queue_p90: float
+    requests_per_s: float
+    output_tokens_per_s: float
+    prompt_tokens_per_s: float
+    hit_share: float
+    ceiling_share: float
+    preemptions: int
+    evictions: int
+    engine_hours: float
+    gpu_hours: float
+    cost: float
+    cost_per_mtok: float  # per million tokens, prompt and output
+    cost_per_m_output: float
+    busy_share: float  # of engine time spent computing
+    makespan_s: float
+    cpu_s: float
+    sim_requests_per_cpu_s: float
+    per_tenant: dict[str, dict[str, float]]
+
+
+def summarize(result: Result) -> Summary:
+    seqs = result.seqs
+    done = [s for s in seqs if s.first_token_s >= 0]
+    rejected = len(seqs) - len(done)
+    ttft = [s.first_token_s - s.request.arrival_s for s in done]
+    queue = [s.admitted_s - s.request.arrival_s for s in done]
+    itl_by_tenant: dict[str, list[tuple[float, int]]] = {}
+    for engine in result.engine_objs:
+        for tenant, pairs in engine.itl.items():
+            itl_by_tenant.setdefault(tenant, []).extend(pairs)
+    all_itl = [p for pairs in itl_by_tenant.values() for p in pairs]
+    prompt = sum(s.request.input_tokens for s in done)
+    output = sum(s.request.output_tokens for s in done)
+    cached = sum(s.cached_tokens for s in done)
+    ceil_cached, ceil_total = ceiling([s.request for s in seqs])
+    start = min((s.request.arrival_s for s in seqs), default=0.0)
+    span = max(result.makespan_s - start, 1e-9)
+    engines = result.engines
+    profile = result.profile
+    engine_hours = engines * result.makespan_s / 3600
+    gpu_hours = engine_hours * profile.gpus_per_engine
+    cost = gpu_hours * profile.gpu_price_per_hour
+    per_tenant: dict[str, dict[str, float]] = {}
+    tenants = sorted({s.request.tenant for s in done})
+    if len(tenants) > 1:
+        for t in tenants:
+            mine = [s for s in done if s.request.tenant == t]
+            p = sum(s.request.input_tokens for s in mine)
+            per_tenant[t] = {
+                "requests": len(mine),
+                "ttft_p50": percentile([s.first_token_s - s.request.arrival_s for s in mine], 50),
+                "ttft_p90": percentile([s.first_token_s - s.request.arrival_s for s in mine], 90),
+                "itl_p50": weighted_percentile(itl_by_tenant.get(t, []), 50),
+                "itl_p90": weighted_percentile(itl_by_tenant.get(t, []), 90),
+                "hit_share": sum(s.cached_tokens for s in mine) / p if p else 0.0,
+                # Its share of the cost: by the tokens it had computed (uncached prompt and output).
+                "work_share": 0.0,
+            }
+        work = {
+            t: sum(
+                s.request.input_tokens - s.cached_tokens + s.request.output_tokens
+                for s in done
+                if s.request.tenant == t
+            )
+            for t in tenants
+        }
+        total_work = sum(work.values()) or 1
+        for t in tenants:
+            per_tenant[t]["work_share"] = work[t] / total_work
+    busy = sum(e.busy_s for e in result.engine_objs)
+    return Summary(
+        mode=result.mode,
+        engines=engines,
+        requests=len(seqs),
+        finished=len(done),
+        rejected=rejected,
+        ttft_p50=percentile(ttft, 50),
+        ttft_p90=percentile(ttft, 90),
+        itl_p50=weighted_percentile(all_itl, 50),
+        itl_p90=weighted_percentile(all_itl, 90),
+        queue_p50=percentile(queue, 50),
+        queue_p90=percentile(queue, 90),
+        requests_per_s=len(done) / span,
+        output_tokens_per_s=output / span,
+        prompt_tokens_per_s=prompt / span,
+        hit_share=cached / prompt if prompt else 0.0,
+        ceiling_share=ceil_cached / ceil_total if ceil_total else 0.0,
+        preemptions=sum(e.preemptions for e in result.engine_objs),
+        evictions=sum(e.evictions for e in result.engine_objs),
+        engine_hours=engine_hours,
+        gpu_hours=gpu_hours,
+        cost=cost,
+        cost_per_mtok=cost / ((prompt + output) / 1e6) if prompt + output else math.nan,
+        cost_per_m_output=cost / (output / 1e6) if output else math.nan,
+        busy_share=busy / (engines * result.makespan_s) if result.makespan_s else 0.0,
+        makespan_s=result.makespan_s,
+        cpu_s=result.cpu_s,
+        sim_requests_per_cpu_s=len(seqs) / result.cpu_s if result.cpu_s else math.inf,
+        per_tenant=per_tenant,
+    )
+
+
+ROWS = (
+    ("requests finished", lambda s: f"{s.finished}/{s.requests}"),
+    ("TTFT p50 (s)", lambda s: f"{s.ttft_p50:.3f}"),
+    ("TTFT p90 (s)", lambda s: f"{s.ttft_p90:.3f}"),
+    ("ITL p50 (ms)", lambda s: f"{s.itl_p50 * 1000:.1f}"),
+    ("ITL p90 (ms)", lambda s: f"{s.itl_p90 * 1000:.1f}"),
+    ("queued p50 (s)", lambda s: f"{s.queue_p50:.3f}"),
+    ("queued p90 (s)", lambda s: f"{s.queue_p90:.3f}"),
+    ("requests/s", lambda s: f"{s.requests_per_s:.2f}"),
+    ("output tokens/s", lambda s: f"{s.output_tokens_per_s:.0f}"),
+    ("prompt tokens/s", lambda s: f"{s.prompt_tokens_per_s:.0f}"),
+    ("cache hit share", lambda s: f"{s.hit_share:.1%}"),
+    (
+        "of the ceiling",
+        lambda s: f"{s.hit_share / s.ceiling_share:.1%} of {s.ceiling_share:.1%}" if s.ceiling_share else "-",
+    ),
+    ("preemptions", lambda s: f"{s.preemptions}"),
+    ("engine busy share", lambda s: f"{s.busy_share:.1%}"),
+    ("engine-hours", lambda s: f"{s.engine_hours:.2f}"),
+    ("cost", lambda s: f"{s.cost:.2f}"),
+    ("cost / M tokens", lambda s: f"{s.cost_per_mtok:.4f}"),
+    ("cost / M output tokens", lambda s: f"{s.cost_per_m_output:.3f}"),
+    ("simulated requests / CPU s", lambda s: f"{s.sim_requests_per_cpu_s:.0f}"),
+)
+
+
+def table(summaries: list[Summary]) -> str:
+    """The runs side by side, one column each, as a Markdown table."""
+    head = ["", *(f"{s.mode} ({s.engines})" for s in summaries)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label, fmt in ROWS:
+        lines.append("| " + " | ".join([label, *(fmt(s) for s in summaries)]) + " |")
+    return "\n".join(lines)
+
+
+def tenant_table(summary: Summary) -> str:
+    if not summary.per_tenant:
+        return ""
+    lines = [
+        f"{summary.mode}: per tenant",
+        "| tenant | requests | TTFT p50 (s) | TTFT p90 (s) | ITL p50 (ms) | ITL p90 (ms) | hit share | share of work |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for t, row in summary.per_tenant.items():
+        lines.append(
+            f"| {t} | {row['requests']:.0f} | {row['ttft_p50']:.3f} | {row['ttft_p90']:.3f} | "
+            f"{row['itl_p50'] * 1000:.1f} | {row['itl_p90'] * 1000:.1f} | {row['hit_share']:.1%} | "
+            f"{row['work_share']:.1%} |"
+        )
+    return "\n".join(lines)
