@@ -102,6 +102,11 @@ def transfers(engine) -> float:
     return engine.metrics().get("vllm:nixl_xfer_time_seconds_count", 0.0)
 
 
+def failed_pulls(engine) -> list[str]:
+    """The KV pulls vLLM logged as failed (a failed pull is recomputed: kv_load_failure_policy)."""
+    return [line[:600] for line in engine.log().splitlines() if "NIXL transfer failure" in line]
+
+
 @pytest.fixture
 def sim_pd():
     timing = ["--prefill-time-per-token", "0.0002", "--kv-transfer-time-per-token", "0.00001"]
@@ -189,11 +194,6 @@ def peer_pull_scenario(router_process, engines, hog_tokens: int) -> None:
     fleet = Fleet(router_process, engines, deployment, team, key, key)
     fleet.sync()
 
-    first, _ = stream_chat(fleet, LONG, max_tokens=1)
-    (seed,) = usage_events([first], wait_for=1)
-    holder = next(e for e in engines if e.url == seed.endpoint)
-    other = next(e for e in engines if e.url != seed.endpoint)
-
     def guard_at(ratio: float) -> None:
         try:
             RoutingPolicy.objects.filter(pk=policy.pk).update(load_guard_ratio=ratio)
@@ -201,95 +201,120 @@ def peer_pull_scenario(router_process, engines, hog_tokens: int) -> None:
         finally:
             connection.close()  # this thread's own database connection
 
-    async def hog(client, headers, started: asyncio.Event) -> str:
-        """A long stream on the holder that shares its prefix (so it stays there), open until cancelled;
-        says how it ended when it ends before that."""
-        async with client.stream(
-            "POST",
-            f"{fleet.router.url}/v1/chat/completions",
-            headers=headers,
-            json={
-                "model": MODEL_NAME,
-                "max_tokens": hog_tokens,
-                "ignore_eos": True,
-                "stream": True,
-                "messages": [{"role": "user", "content": LONG}],
-            },
-        ) as response:
-            if response.status_code != 200:
-                return f"status {response.status_code}: {(await response.aread())[:300]!r}"
-            chunks, last = 0, ""
-            async for line in response.aiter_lines():
-                if line.startswith("data: "):
-                    last = line
-                    if '"choices"' in line:
-                        chunks += 1
-                        started.set()
-            return f"ended after {chunks} chunks, the last: {last[:300]}"
+    def play(text: str):
+        """Seed `text` on one engine, make it busy with hogs on that prefix, then send the sub-agent's request;
+        (the reply or None, the holder, the other engine, its pulls so far, why hogs ended)."""
+        pulls = {engine.url: transfers(engine) for engine in engines}
+        first, _ = stream_chat(fleet, text, max_tokens=1)
+        (seed,) = usage_events([first], wait_for=1)
+        holder = next(e for e in engines if e.url == seed.endpoint)
+        other = next(e for e in engines if e.url != seed.endpoint)
 
-    def how_they_ended(hogs) -> list[str]:
-        return [
-            repr(task.exception()) if task.exception() else task.result()
-            for task in hogs
-            if task.done() and not task.cancelled()
-        ]
+        async def hog(client, headers, started: asyncio.Event) -> str:
+            """A long stream on the holder that shares its prefix (so it stays there), open until cancelled;
+            says how it ended when it ends before that."""
+            async with client.stream(
+                "POST",
+                f"{fleet.router.url}/v1/chat/completions",
+                headers=headers,
+                json={
+                    "model": MODEL_NAME,
+                    "max_tokens": hog_tokens,
+                    "ignore_eos": True,
+                    "stream": True,
+                    "messages": [{"role": "user", "content": text}],
+                },
+            ) as response:
+                if response.status_code != 200:
+                    return f"status {response.status_code}: {(await response.aread())[:300]!r}"
+                chunks, last = 0, ""
+                async for line in response.aiter_lines():
+                    if line.startswith("data: "):
+                        last = line
+                        if '"choices"' in line:
+                            chunks += 1
+                            started.set()
+                return f"ended after {chunks} chunks, the last: {last[:300]}"
 
-    async def busy_then_pull(client, headers):
-        """Keep the holder busy: each hog is streaming before the next starts, and all of them are still in
-        flight when the sub-agent's request comes (they are cancelled after it). None when a hog ended first,
-        with why in `ended`."""
-        hogs = []
-        try:
-            for _ in range(HOGS):
-                started = asyncio.Event()
-                hogs.append(asyncio.create_task(hog(client, headers, started)))
-                waiting = asyncio.create_task(started.wait())
-                await asyncio.wait([waiting, hogs[-1]], timeout=120, return_when=asyncio.FIRST_COMPLETED)
-                waiting.cancel()
-                if not started.is_set():
-                    break
-            if len(hogs) == HOGS and started.is_set():
-                await asyncio.to_thread(guard_at, 1.0)
-                if not any(task.done() for task in hogs):
-                    return await client.post(
-                        f"{fleet.router.url}/v1/chat/completions",
-                        headers=headers,
-                        json={
-                            "model": MODEL_NAME,
-                            "max_tokens": 3,
-                            "ignore_eos": True,
-                            "messages": [
-                                {"role": "user", "content": LONG + " Now the sub-agent's question."}
-                            ],
-                        },
-                    )
-            ended.extend(how_they_ended(hogs) or ["a hog did not start streaming within 120 s"])
+        def how_they_ended(hogs) -> list[str]:
+            return [
+                repr(task.exception()) if task.exception() else task.result()
+                for task in hogs
+                if task.done() and not task.cancelled()
+            ]
+
+        async def busy_then_pull(client, headers):
+            """Keep the holder busy: each hog is streaming before the next starts, and all of them are still in
+            flight when the sub-agent's request comes (they are cancelled after it). None when a hog ended first,
+            with why in `ended`."""
+            hogs = []
+            try:
+                for _ in range(HOGS):
+                    started = asyncio.Event()
+                    hogs.append(asyncio.create_task(hog(client, headers, started)))
+                    waiting = asyncio.create_task(started.wait())
+                    await asyncio.wait([waiting, hogs[-1]], timeout=120, return_when=asyncio.FIRST_COMPLETED)
+                    waiting.cancel()
+                    if not started.is_set():
+                        break
+                if len(hogs) == HOGS and started.is_set():
+                    await asyncio.to_thread(guard_at, 1.0)
+                    if not any(task.done() for task in hogs):
+                        return await client.post(
+                            f"{fleet.router.url}/v1/chat/completions",
+                            headers=headers,
+                            json={
+                                "model": MODEL_NAME,
+                                "max_tokens": 3,
+                                "ignore_eos": True,
+                                "messages": [
+                                    {"role": "user", "content": text + " Now the sub-agent's question."}
+                                ],
+                            },
+                        )
+                ended.extend(how_they_ended(hogs) or ["a hog did not start streaming within 120 s"])
+                return None
+            finally:
+                for task in hogs:
+                    task.cancel()
+                await asyncio.gather(*hogs, return_exceptions=True)
+
+        async def attempts():
+            # A second try when a hog ended early (what ended it is in the failure message when both do).
+            async with httpx.AsyncClient(timeout=300) as client:
+                headers = {"authorization": f"Bearer {fleet.key.secret}"}
+                for _ in range(2):
+                    reply = await busy_then_pull(client, headers)
+                    if reply is not None:
+                        return reply
+                    await asyncio.to_thread(guard_at, 50.0)
             return None
-        finally:
-            for task in hogs:
-                task.cancel()
-            await asyncio.gather(*hogs, return_exceptions=True)
 
-    async def attempts():
-        # A second try when a hog ended early (what ended it is in the failure message when both do).
-        async with httpx.AsyncClient(timeout=300) as client:
-            headers = {"authorization": f"Bearer {fleet.key.secret}"}
-            for _ in range(2):
-                reply = await busy_then_pull(client, headers)
-                if reply is not None:
-                    return reply
-                await asyncio.to_thread(guard_at, 50.0)
-        return None
+        ended: list[str] = []
+        return asyncio.run(attempts()), holder, other, pulls[other.url], ended
 
-    ended: list[str] = []
-    reply = asyncio.run(attempts())
+    reply, holder, other, pulled, ended = play(LONG)
+    if (
+        reply is not None
+        and transfers(other) == pulled
+        and any("handshake" in line for line in failed_pulls(other))
+    ):
+        # vLLM gives its NIXL handshake a fixed 5 s; on a starved host the idle engine's first one can run out
+        # and the pull is recomputed (the client still gets its answer). vLLM handshakes again at the next
+        # pull, so the scenario is played once more on a new prefix; any other failure fails the test below.
+        asyncio.run(asyncio.to_thread(guard_at, 50.0))
+        reply, holder, other, pulled, ended = play("A second session. " + LONG)
     assert reply is not None, (
         f"a hog ended before the sub-agent's request: {ended}\n{fleet.router.log()[-3000:]}"
     )
     assert reply.status_code == 200
     (event,) = usage_events([reply.headers["x-request-id"]], wait_for=1)
     assert event.endpoint == other.url  # decoded on the idle engine...
-    assert transfers(other) == 1  # ...which pulled the prefix from the holder instead of recomputing it
+    # ...which pulled the prefix from the holder instead of recomputing it
+    assert transfers(other) == pulled + 1, (
+        f"no NIXL pull on the idle engine; its failures: {failed_pulls(other)[-5:]}\n"
+        f"router: {fleet.router.log()[-3000:]}"
+    )
     assert event.cached_prompt_tokens >= 256  # the holder's prefill leg was a cache hit
     assert 'kind="peer_pull"' in router_metrics(fleet.router.url)
     assert holder.metrics()["vllm:prefix_cache_hits_total"] >= 256
