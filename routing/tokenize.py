@@ -33,6 +33,7 @@ from .conversion import (
     each,
     responses_chat_request,
 )
+from .fast_bpe import fast_encoder
 from .routes import ANTHROPIC_MESSAGES, CHAT_COMPLETIONS, RESPONSES_INPUT, ROUTES
 from .shared_tokens import SharedPieces
 
@@ -144,6 +145,8 @@ class RouterTokenizer:
         # Where it was loaded from and the deployment's template: what a worker process loads it again from.
         self.folder, self.chat_template_override = folder, chat_template or ""
         self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        # tiktoken, where it gives exactly this tokenizer's ids, at about a tenth of its time (routing/fast_bpe.py).
+        self.fast = fast_encoder(self.tokenizer, folder.name)
         config = json.loads((folder / "tokenizer_config.json").read_text())
         self.cache = cache or SegmentCache()
         # The other replicas' ids of pieces (routing/shared_tokens.py), when the router shares them.
@@ -366,7 +369,7 @@ class RouterTokenizer:
                 continue
             cached = self.cache.get(piece)
             if cached is None:
-                cached = array("I", self.tokenizer.encode(piece, add_special_tokens=False).ids)
+                cached = self.encode_piece(piece)
                 self.cache.put(piece, cached)
             ids.extend(cached)
         return ids
@@ -396,13 +399,21 @@ class RouterTokenizer:
                 continue
             cached = cache.get(piece)
             if cached is None:
-                cached = array("I", self.tokenizer.encode(piece, add_special_tokens=False).ids)
+                cached = self.encode_piece(piece)
                 cache.put(piece, cached)
                 if wanted and len(piece) >= shared.min_piece_chars:
                     new[piece] = cached
             ids.extend(cached)
         shared.put_many(new)
         return ids
+
+    def encode_piece(self, piece: str) -> array:
+        """The ids of a piece of text holding no special token (the text between two)."""
+        if self.fast is not None:
+            ids = self.fast.encode(piece)
+            if ids is not None:
+                return ids
+        return array("I", self.tokenizer.encode(piece, add_special_tokens=False).ids)
 
     def encode_chat(self, messages: list[dict], **kwargs) -> array:
         return self.encode_text(self.render_chat(messages, **kwargs))
