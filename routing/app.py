@@ -394,7 +394,7 @@ class Router:
             deployment = deployment_for(self.snapshot, payload, key)
             if not isinstance(payload.get("messages"), list) or not payload["messages"]:
                 raise HttpError(400, "`messages` must be a non-empty list.", "messages")
-            refuse_remote_media(payload, MESSAGES.path, body)  # an engine may count it
+            refuse_remote_media(payload, MESSAGES.path)  # an engine may count it
             tokenizer = self.prefix.tokenizer_for(deployment)
             if tokenizer is None:
                 return await self._count_upstream(deployment, orjson.dumps(payload), send)

@@ -162,7 +162,7 @@ def priority_for(scope: dict, key: KeyInfo) -> str:
     return asked
 
 
-def engine_fields(payload: dict, path: str, key: KeyInfo, body: bytes | None = None) -> dict:
+def engine_fields(payload: dict, path: str, key: KeyInfo) -> dict:
     """The request cut down to what the public API of its route defines (routing/fields.py), with the
     engine-internal fields set by the router: the tenant's cache salt."""
     try:
@@ -172,16 +172,16 @@ def engine_fields(payload: dict, path: str, key: KeyInfo, body: bytes | None = N
     if dropped:
         metrics.dropped_fields.inc(len(dropped))
         log.debug("dropped fields %s from a request to %s", dropped, path)
-    refuse_remote_media(payload, path, body)
+    refuse_remote_media(payload, path)
     if key.cache_salt:
         payload["cache_salt"] = key.cache_salt
     return payload
 
 
-def refuse_remote_media(payload: dict, path: str, body: bytes | None = None) -> None:
+def refuse_remote_media(payload: dict, path: str) -> None:
     """A 400 for a media part that names a URL (routing/fields.py `remote_media`), on every route that reaches an
     engine: engines fetch nothing on a client's behalf."""
-    remote = remote_media(payload, path, body)
+    remote = remote_media(payload, path)
     if remote is not None:
         raise HttpError(
             400,

@@ -54,27 +54,48 @@ def public_fields(payload: dict, path: str) -> tuple[dict, list[str]]:
 # A media part names its media by key, whether or not it has a `type` (vLLM reads `{"image_url": ...}` without
 # one as an image): a URL under one of these keys, or an Anthropic `source` of type `url`, is fetched by the engine.
 MEDIA_URL_KEYS = ("image_url", "audio_url", "video_url", "file_url")
-# In a request's JSON, a key or a `type` value that may name a URL to fetch (inside a string the quotes are
-# escaped, so a text cannot hold these): a request without any is not walked.
-MEDIA_URL_MARKERS = (b'_url"', b'"type":"url"', b'"type": "url"')
+MEDIA_KEYS = frozenset((*MEDIA_URL_KEYS, "source"))
 # A model's tool call carries its arguments under `input`: what they name is not media for the engine.
 TOOL_CALLS = frozenset({"tool_use", "server_tool_use"})
 
 
-def remote_media(payload: dict, path: str, body: bytes | None = None) -> str | None:
+def remote_media(payload: dict, path: str) -> str | None:
     """Where the first media part that names a URL for the engine to fetch (rather than carrying its data) is,
     as `messages[i].content[j]`, or None. Every part at any depth of the conversation counts (tool results and
-    Responses tool outputs too), typed or not. `body`: the request's JSON, to skip the walk when it holds no
-    marker of a URL. An engine fetching a client's URL would reach whatever the engine's network reaches."""
-    if body is not None and not any(marker in body for marker in MEDIA_URL_MARKERS):
-        return None
+    Responses tool outputs too), typed or not. The parsed request is walked, not its bytes scanned: a key can be
+    written with JSON escapes (`"image\\u005furl"`). An engine fetching a client's URL would reach whatever the
+    engine's network reaches."""
     route = ROUTES[path]
     if not route.templated:
         return None  # a text prompt or token ids: no parts
-    return _fetching_part(payload.get(route.prompt), route.prompt)
+    conversation = payload.get(route.prompt)
+    if not isinstance(conversation, dict | list) or not _any_fetching(conversation):
+        return None
+    return _fetching_part(conversation, route.prompt)
+
+
+def _any_fetching(value: dict | list) -> bool:
+    """Whether any part under `value` fetches: the walk every request takes, without building paths (about
+    0.5 ms for a 550-message agent conversation, against 3 ms with them)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            if not MEDIA_KEYS.isdisjoint(item) and _fetches(item):
+                return True
+            call = item.get("type") in TOOL_CALLS
+            stack.extend(
+                child
+                for name, child in item.items()
+                if isinstance(child, dict | list) and not (call and name == "input")
+            )
+        else:
+            stack.extend(child for child in item if isinstance(child, dict | list))
+    return False
 
 
 def _fetching_part(value, where: str) -> str | None:
+    """Where the first fetching part under `value` is (walked once `_any_fetching` found one)."""
     if isinstance(value, list):
         for index, item in enumerate(value):
             if isinstance(item, dict | list):

@@ -167,7 +167,7 @@ async def check(
     deployment = deployment_for(router.snapshot, payload, key)
     priority = priority_for(scope, key)
     session = session_key(scope, payload, key.tenant_id)
-    payload = engine_fields(payload, path, key, body)
+    payload = engine_fields(payload, path, key)
     prompt_ids = token_ids(payload.get("prompt"))  # a prompt of token ids, converted once
     input_bound, output_bound = validate(
         payload,

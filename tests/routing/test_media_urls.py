@@ -138,6 +138,16 @@ PASSING = {
 }
 
 
+# Keys and values written with JSON escapes, which the parsed request reads as the plain key or value.
+ESCAPED_FORMS = {
+    "image_url": b'{"model": "%s", "messages": [{"role": "user", "content": [{"image\\u005furl": "%s"}]}]}',
+    "video_url": b'{"model": "%s", "messages": [{"role": "user", "content": [{"\\u0076ideo_url": {"url": "%s"}}]}]}',
+    "anthropic url source": b'{"model": "%s", "max_tokens": 8, "messages": [{"role": "user", "content": [{"type":'
+    b' "image", "source": {"type": "\\u0075rl", "url": "%s"}}]}]}',
+}
+ESCAPED = {name: body % (MODEL_NAME.encode(), METADATA.encode()) for name, body in ESCAPED_FORMS.items()}
+
+
 def body_of(fields: dict) -> bytes:
     """As the SDKs send it: Python's JSON, with a space after each separator."""
     return json.dumps({"model": MODEL_NAME, "max_tokens": 8, **fields}).encode()
@@ -149,15 +159,23 @@ def test_media_by_url_is_refused_in_every_form(path, fields, place):
     looked at, and `file`, not the Responses `input_file`."""
     body = body_of(fields)
     with pytest.raises(HttpError) as refused:
-        engine_fields(parse(body), path, key_info(), body)
+        engine_fields(parse(body), path, key_info())
     assert refused.value.status == 400 and f"`{place}`" in refused.value.message
-    assert remote_media(parse(body), path) == place  # without the body's bytes to skip the walk: the same
+
+
+@pytest.mark.parametrize("body", ESCAPED.values(), ids=ESCAPED.keys())
+def test_media_by_url_is_refused_when_its_key_is_written_with_json_escapes(body):
+    """On main before: the request's bytes were searched for `_url"` and `"type":"url"` to skip the walk, and a key
+    written with a JSON escape (which the parsed request reads as the key) skipped it, to reach the engine."""
+    path = "/v1/messages" if b'"source"' in body else "/v1/chat/completions"
+    with pytest.raises(HttpError) as refused:
+        engine_fields(parse(body), path, key_info())
+    assert refused.value.status == 400 and "`messages[0].content[0]`" in refused.value.message
 
 
 @pytest.mark.parametrize(("path", "fields"), PASSING.values(), ids=PASSING.keys())
 def test_inline_media_and_tool_arguments_pass(path, fields):
     body = body_of(fields)
-    assert remote_media(parse(body), path, body) is None
     assert remote_media(parse(body), path) is None
 
 
@@ -169,6 +187,10 @@ def test_no_engine_is_asked_for_media_by_url_on_any_route(router_process):
         answer = httpx.post(f"{fleet.router.url}{path}", content=body_of(fields), headers=headers, timeout=30)
         assert answer.status_code == 400, (name, answer.text)
         assert place in answer.text and "169.254" not in answer.text
+    for name, body in ESCAPED.items():
+        path = "/v1/messages" if b'"source"' in body else "/v1/chat/completions"
+        answer = httpx.post(f"{fleet.router.url}{path}", content=body, headers=headers, timeout=30)
+        assert answer.status_code == 400, (name, answer.text)
     assert engine.hits == []
 
 
