@@ -57,7 +57,7 @@ def main(argv: list[str]) -> int:
 
 
 def setup_fleet() -> dict:
-    from serving.models import ModelDeployment, Pool
+    from serving.models import Endpoint, ModelDeployment, Pool
     from tenants.keys import api_key_create
     from tenants.models import ApiKey, Team, Tenant
 
@@ -67,8 +67,22 @@ def setup_fleet() -> dict:
             name=name,
             defaults={"served_model_name": name, "model_source": f"models/{name}", "engine_kind": "sim"},
         )
-        for pool in pools:
-            Pool.objects.get_or_create(deployment=deployment, name=pool, defaults={"replicas": 4})
+        for pool_name in pools:
+            role = pool_name if pool_name in ("prefill", "decode") else "both"
+            pool, _ = Pool.objects.get_or_create(
+                deployment=deployment,
+                name=pool_name,
+                defaults={
+                    "replicas": 4,
+                    "role": role,
+                    "kv_connector": "" if role == "both" else "NixlConnector",
+                },
+            )
+            for n in range(4):
+                Endpoint.objects.get_or_create(
+                    url=f"http://10.{deployment.pk % 250}.{pool.pk % 250}.{n + 1}:8000",
+                    defaults={"pool": pool, "name": f"{name}-{pool_name}-{n}", "role": role},
+                )
         deployments.append(deployment)
     keys = list(ApiKey.objects.filter(name="bench-history").select_related("team"))
     if len(keys) < TEAMS:
@@ -90,33 +104,40 @@ def load_hour(fleet: dict, *, hour: datetime) -> float:
     """An hour of the seed's traffic in the ledger, then the roll-up of it; returns the roll-up's seconds."""
     from django.db import connection
 
+    from serving.models import Endpoint
     from tenants.billing import usage_rollup
-    from tenants.models import DeploymentUsageSeries, TeamUsageSeries, UsageRecord, UsageRollupState
+    from tenants.models import UsageRecord, UsageRollupState
+    from tenants.usage_series import SERIES_MODELS
 
     table = UsageRecord._meta.db_table
     with connection.cursor() as cursor:
-        cursor.execute(
-            f"TRUNCATE {table}, {TeamUsageSeries._meta.db_table}, {DeploymentUsageSeries._meta.db_table}"
-        )
+        cursor.execute(f"TRUNCATE {table}, {', '.join(m._meta.db_table for m in SERIES_MODELS)}")
         UsageRollupState.objects.update_or_create(pk=1, defaults={"last_record_id": 0})
         cursor.execute("DROP TABLE IF EXISTS bench_agents")
         cursor.execute("CREATE TEMP TABLE bench_agents (n int, key_id bigint, team_id bigint, tenant_id bigint,"
-                       " deployment_id bigint, priority_class text)")  # fmt: skip
+                       " deployment_id bigint, priority_class text, endpoint text)")  # fmt: skip
         deployments = [d.pk for d in fleet["deployments"]]
+        # The engines that stream a deployment's answers, whose URL the ledger records: its decode or only pool's.
+        streaming = Endpoint.objects.exclude(role="prefill").order_by("url")
+        engines = {
+            d: list(streaming.filter(pool__deployment_id=d).values_list("url", flat=True))
+            for d in deployments
+        }
         keys = fleet["keys"]
         cursor.executemany(
-            "INSERT INTO bench_agents VALUES (%s, %s, %s, %s, %s, %s)",
+            "INSERT INTO bench_agents VALUES (%s, %s, %s, %s, %s, %s, %s)",
             [
                 (
                     a,
                     k.id,
                     k.team_id,
                     k.team.tenant_id,
-                    deployments[(a * 7) % len(deployments)],
+                    d,
                     k.team.priority_class,
+                    engines[d][a % len(engines[d])],
                 )
                 for a in range(AGENTS)
-                for k in [keys[a % len(keys)]]
+                for k, d in [(keys[a % len(keys)], deployments[(a * 7) % len(deployments)])]
             ],
         )
         started = time.perf_counter()
@@ -127,7 +148,7 @@ def load_hour(fleet: dict, *, hour: datetime) -> float:
             INSERT INTO {table} (request_id, tenant_id, team_id, api_key_id, deployment_id, model, endpoint,
                 prompt_tokens, cached_prompt_tokens, output_tokens, cost, currency, ttft_ms, latency_ms, status,
                 priority_class, queued_ms, created_at)
-            SELECT 'hist-' || g, a.tenant_id, a.team_id, a.key_id, a.deployment_id, 'm', '10.0.0.1:8000',
+            SELECT 'hist-' || g, a.tenant_id, a.team_id, a.key_id, a.deployment_id, 'm', a.endpoint,
                 20000 + g %% 180000, (20000 + g %% 180000) * (g %% 10) / 10, 50 + g %% 600,
                 ((20000 + g %% 180000) * 0.0000005 + (50 + g %% 600) * 0.0000015)::numeric(16, 8), 'USD',
                 150 + (g * 37) %% 4000, 2000 + (g * 53) %% 30000,
@@ -149,11 +170,11 @@ def copy_month(*, hour: datetime) -> None:
     """The hour's series rows copied to each of the 719 hours before it: 30 days of the same traffic."""
     from django.db import connection
 
-    from tenants.models import DeploymentUsageSeries, TeamUsageSeries
+    from tenants.usage_series import SERIES_MODELS
 
     started = time.perf_counter()
     with connection.cursor() as cursor:
-        for model in (TeamUsageSeries, DeploymentUsageSeries):
+        for model in SERIES_MODELS:
             table = model._meta.db_table
             columns = [f.column for f in model._meta.concrete_fields if f.column not in ("id", "start")]
             cursor.execute(
@@ -219,11 +240,12 @@ def measure_sizes() -> list[tuple[str, int, int]]:
     from django.db import connection
 
     from portal.models import PoolSeries, PrefixSeries
-    from tenants.models import DeploymentUsageSeries, TeamUsageSeries, UsageRecord
+    from tenants.models import UsageRecord
+    from tenants.usage_series import SERIES_MODELS
 
     out = []
     with connection.cursor() as cursor:
-        for model in (TeamUsageSeries, DeploymentUsageSeries, PoolSeries, PrefixSeries, UsageRecord):
+        for model in (*SERIES_MODELS, PoolSeries, PrefixSeries, UsageRecord):
             table = model._meta.db_table
             cursor.execute(f"SELECT count(*), pg_total_relation_size(%s) FROM {table}", [table])
             out.append((table, *cursor.fetchone()))

@@ -1,5 +1,6 @@
-"""The charts' data as JSON (portal/charts.py), scoped like the portal's pages: the fleet and deployments to
-operators, a team to whoever may see its page, a tenant to its admins. Another tenant's team is not found."""
+"""The charts' data as JSON (portal/charts.py), scoped like the portal's pages: the fleet and deployments (with
+their pools' charts, latency among them) to operators, a team (its latency too) to whoever may see its page, a
+tenant to its admins. Another tenant's team is not found."""
 
 from __future__ import annotations
 

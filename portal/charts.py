@@ -6,6 +6,10 @@ now under way; a step with no traffic is 0 (no requests) or empty (no latency). 
 the step (an hour's row is divided by 60), so that they read against a per-minute quota; spend is cumulative over
 the period, so that it reads against a budget.
 
+A team's page charts its requests' TTFT and inter-token latency, p50 and p90; a deployment's, its own and each
+pool's (the requests its engines streamed, against the pool's autoscaling objectives). Percentiles come from the
+series' histograms added up per step (tenants/usage_series.py).
+
 The answer: `t`, the steps' starts (seconds since the epoch), and `charts`, each with its `series`, each with a
 value per step (`values`) and a unit the browser formats (per_min, tokens_per_min, ms, ratio, replicas,
 requests, tokens, money:<currency>).
@@ -20,8 +24,15 @@ from decimal import Decimal
 
 from django.db.models import Sum
 
-from serving.models import AutoscalingPolicy, ModelDeployment, Pool
-from tenants.models import PRIORITY_RANK, DeploymentUsageSeries, PriorityClass, Quota, TeamUsageSeries
+from serving.models import AutoscalingPolicy, ModelDeployment, Pool, PoolRole
+from tenants.models import (
+    PRIORITY_RANK,
+    DeploymentUsageSeries,
+    PoolUsageSeries,
+    PriorityClass,
+    Quota,
+    TeamUsageSeries,
+)
 from tenants.usage_series import HistogramSum, histogram_quantile
 
 from .models import PoolSeries, PrefixSeries
@@ -293,6 +304,24 @@ def _latency_chart(key: str, title: str, rows, window: Window, name: str, object
     return _chart(key, title, series)
 
 
+def _pool_latency_chart(name: str, rows, window: Window, policy: AutoscalingPolicy | None) -> dict:
+    """The TTFT and ITL of the requests a pool's engines served, against its autoscaling policy's objectives."""
+    series = [
+        _series("ttft_p50", "TTFT p50", "ms", _quantiles(rows, window, "ttft_ms", 0.5)),
+        _series("ttft_p90", "TTFT p90", "ms", _quantiles(rows, window, "ttft_ms", 0.9)),
+        _series("itl_p50", "ITL p50", "ms", _quantiles(rows, window, "itl_ms", 0.5)),
+        _series("itl_p90", "ITL p90", "ms", _quantiles(rows, window, "itl_ms", 0.9)),
+    ]
+    for key, label, field in (
+        ("ttft_objective", "TTFT objective (p90)", "ttft_p90_s"),
+        ("itl_objective", "ITL objective (p90)", "itl_p90_s"),
+    ):
+        objective = _objective([policy] if policy else [], field)
+        if objective is not None:
+            series.append(_series(key, label, "ms", [objective] * len(window.starts), dash=True))
+    return _chart(f"pool_{name}_latency", f"Pool {name}: latency of the requests its engines served", series)
+
+
 def deployment_history(*, deployment: ModelDeployment, period: str, now: datetime) -> dict:
     """One deployment: traffic, tokens, latency against its objectives, cache hits, queueing, replicas against
     the autoscaler's signals per pool, spend."""
@@ -337,6 +366,11 @@ def deployment_history(*, deployment: ModelDeployment, period: str, now: datetim
         _chart("queueing", "Queueing", queue_series),
     ]
     targets = {p.pool_id: p for p in policies}
+    latencies = list(
+        PoolUsageSeries.objects.filter(
+            step_s=window.step_s, start__gte=window.first, start__lt=window.end, pool_id__in=list(pools)
+        ).values("start", "pool_id", "ttft_ms", "itl_ms")
+    )
     for pool_id, pool in pools.items():
         mine = [r for r in pool_rows if r["pool_id"] == pool_id]
         series = [
@@ -355,17 +389,26 @@ def deployment_history(*, deployment: ModelDeployment, period: str, now: datetim
             )
         title = f"Pool {pool.name}: replicas and the autoscaler's signals"
         charts.insert(-1, _chart(f"pool_{pool.name}", title, series))
+        # The ledger names the engine that streamed a request: a P/D deployment's decode engine, never its prefill.
+        if pool.role != PoolRole.PREFILL:
+            served = [r for r in latencies if r["pool_id"] == pool_id]
+            charts.insert(-1, _pool_latency_chart(pool.name, served, window, targets.get(pool_id)))
     return _answer(window, "deployment", deployment.pk, charts)
 
 
 def team_history(*, team, period: str, now: datetime) -> dict:
-    """One team: requests, tokens and spend against its team-wide quota and budget."""
+    """One team: requests, tokens and spend against its team-wide quota and budget, and its requests' latency."""
     window = window_for(period, now)
     ledger = TeamUsageSeries.objects.filter(team=team)
-    rows = list(_sums(ledger, window))
+    rows = list(_sums(ledger, window).annotate(ttft=HistogramSum("ttft_ms"), itl=HistogramSum("itl_ms")))
     cost_rows = list(_sums(ledger, window, "currency").annotate(cost=Sum("cost")))
     limits = Quota.objects.filter(team=team, api_key__isnull=True).first()
-    return _answer(window, "team", team.pk, _traffic_charts(rows, cost_rows, window, limits=limits))
+    charts = _traffic_charts(rows, cost_rows, window, limits=limits)
+    charts[2:2] = [
+        _latency_chart("ttft", "Time to first token", rows, window, "ttft", None),
+        _latency_chart("itl", "Inter-token latency", rows, window, "itl", None),
+    ]
+    return _answer(window, "team", team.pk, charts)
 
 
 def tenant_history(*, tenant, period: str, now: datetime) -> dict:

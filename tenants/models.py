@@ -760,8 +760,28 @@ class UsageSeries(models.Model):
         abstract = True
 
 
-class TeamUsageSeries(UsageSeries):
-    """Per step, team and currency (a tenant's series is the sum of its teams')."""
+class LatencyHistograms(models.Model):
+    """The latencies of a series row's completed requests as histograms.
+
+    A histogram is a list of counts per bucket of milliseconds (`tenants.usage_series.bucket_bounds`: the bucket of
+    0 ms, then buckets a third of a power of two wide), cut after its last non-empty bucket; NULL when no request
+    had the value. Histograms add up, so percentiles hold for any sum of rows (classes, deployments, hours).
+    """
+
+    ttft_ms = ArrayField(models.IntegerField(), null=True, blank=True, help_text="Completed requests' TTFT.")
+    itl_ms = ArrayField(
+        models.IntegerField(),
+        null=True,
+        blank=True,
+        help_text="Completed requests' mean inter-token latency.",
+    )
+
+    class Meta:
+        abstract = True
+
+
+class TeamUsageSeries(UsageSeries, LatencyHistograms):
+    """Per step, team and currency (a tenant's series is the sum of its teams'), with the team's latencies."""
 
     tenant = models.ForeignKey(Tenant, on_delete=models.PROTECT, related_name="+")
     team = models.ForeignKey(Team, on_delete=models.PROTECT, related_name="+")
@@ -781,23 +801,11 @@ class TeamUsageSeries(UsageSeries):
         return f"{self.start:%Y-%m-%d %H:%M} +{self.step_s}s team {self.team_id}"
 
 
-class DeploymentUsageSeries(UsageSeries):
-    """Per step, deployment, priority class and currency, with the latencies of its requests as histograms.
-
-    A histogram is a list of counts per bucket of milliseconds (`tenants.usage_series.BUCKETS`: the bucket of
-    0 ms, then buckets a third of a power of two wide), cut after its last non-empty bucket; NULL when no request
-    had the value. Histograms add up, so percentiles hold for any sum of rows (classes, deployments, hours).
-    """
+class DeploymentUsageSeries(UsageSeries, LatencyHistograms):
+    """Per step, deployment, priority class and currency, with the latencies of its requests as histograms."""
 
     deployment_id = models.BigIntegerField(null=True, blank=True)
     priority_class = models.CharField(max_length=12, choices=PriorityClass.choices, blank=True, default="")
-    ttft_ms = ArrayField(models.IntegerField(), null=True, blank=True, help_text="Completed requests' TTFT.")
-    itl_ms = ArrayField(
-        models.IntegerField(),
-        null=True,
-        blank=True,
-        help_text="Completed requests' mean inter-token latency.",
-    )
     queued_ms = ArrayField(
         models.IntegerField(),
         null=True,
@@ -817,3 +825,28 @@ class DeploymentUsageSeries(UsageSeries):
 
     def __str__(self) -> str:
         return f"{self.start:%Y-%m-%d %H:%M} +{self.step_s}s deployment {self.deployment_id}"
+
+
+class PoolUsageSeries(LatencyHistograms):
+    """Per step and pool, the requests its engines served and their latencies, for the pool's charts.
+
+    A record is the pool's when the engine it names (`UsageRecord.endpoint`, the engine's URL) is still one of the
+    pool's endpoints when the roll-up reads it, seconds later; a record of an engine already gone is in no pool's
+    row (it stays in its deployment's and team's). `pool_id` is kept without a key: the rows outlive the pool
+    until they are pruned, like the deployment series'.
+    """
+
+    step_s = models.PositiveIntegerField()
+    start = models.DateTimeField()
+    pool_id = models.BigIntegerField()
+    requests = models.BigIntegerField(default=0)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["step_s", "start", "pool_id"], name="pool_usage_series_one_row_per_step"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.start:%Y-%m-%d %H:%M} +{self.step_s}s pool {self.pool_id}"

@@ -15,6 +15,7 @@ from django.conf import settings
 from django.db import connection
 from django.utils import timezone
 
+from portal.charts import window_for
 from portal.history import history_sample
 from routing.contracts import LOAD_KEY
 from routing.contracts import PREFIX_HEALTH_KEY as PREFIX_KEY
@@ -41,6 +42,7 @@ def a_day_of_traffic(world) -> None:
     now = timezone.now()
     pool = world.deployment.pools.get()
     AutoscalingPolicy.objects.create(pool=pool, enabled=True, max_replicas=4, ttft_p90_s=2.0, itl_p90_s=0.05)
+    urls = list(Endpoint.objects.filter(pool=pool).values_list("url", flat=True))
     records = []
     for step in range(1440):
         at = now - timedelta(minutes=step)
@@ -56,6 +58,7 @@ def a_day_of_traffic(world) -> None:
                         api_key=key.api_key,
                         deployment=world.deployment,
                         model="tiny-qwen",
+                        endpoint=urls[(step + n) % len(urls)],
                         prompt_tokens=prompt,
                         cached_prompt_tokens=int(prompt * rng.uniform(0.6, 0.98)),
                         output_tokens=rng.randint(50, 800),
@@ -90,6 +93,13 @@ def a_day_of_traffic(world) -> None:
         history_sample(client=client, now=at)
         client.delete(prefix)
     client.delete(*(LOAD_KEY.format(e.pk) for e in endpoints))
+
+
+def minutes_completed(team) -> int:
+    """How many of the last 1,440 minutes (a day's chart) hold a completed request of the team."""
+    first = window_for("day", timezone.now()).first
+    records = UsageRecord.objects.filter(team=team, status="completed", created_at__gte=first)
+    return len({at.replace(second=0, microsecond=0) for at in records.values_list("created_at", flat=True)})
 
 
 def charts_on(tab, box: str = "history") -> dict:
@@ -137,7 +147,9 @@ def test_every_page_charts_a_day_of_traffic(world, server, page):  # noqa: F811
     # A deployment: traffic, latency against its objectives, cache, queueing, its pool against the signals.
     page.goto(f"{server}/portal/deployments/{world.deployment.pk}/")
     charts = charts_on(page)
-    assert list(charts) == ["traffic", "tokens", "ttft", "itl", "cache", "queueing", "pool_main", "spend"]
+    assert list(charts) == [
+        "traffic", "tokens", "ttft", "itl", "cache", "queueing", "pool_main", "pool_main_latency", "spend",
+    ]  # fmt: skip
     assert charts["ttft"]["series"] == [
         "Time to first token p50",
         "Time to first token p90",
@@ -153,18 +165,29 @@ def test_every_page_charts_a_day_of_traffic(world, server, page):  # noqa: F811
     assert charts["pool_main"]["series"] == [
         "Replicas wanted", "Engines ready", "Requests running", "Requests waiting", "KV-cache use (mean)",
     ]  # fmt: skip
+    # The pool's own TTFT and ITL (its engines served every request), against its policy's objectives.
+    assert charts["pool_main_latency"]["series"] == [
+        "TTFT p50", "TTFT p90", "ITL p50", "ITL p90", "TTFT objective (p90)", "ITL objective (p90)",
+    ]  # fmt: skip
+    assert all(n >= 1439 for n in charts["pool_main_latency"]["filled"][:4])
     assert {c["points"] for c in charts.values()} == {1440}
     page.screenshot(path=OUTPUT / "portal-deployment-day.png", full_page=True)
     charts = pick(page, "week")
     assert charts["ttft"]["points"] == 168 and 24 <= charts["ttft"]["filled"][1] <= 25
+    assert 24 <= charts["pool_main_latency"]["filled"][1] <= 25
 
     # A team, seen by its admin: usage against its quota.
     page.context.clear_cookies()
     sign_in_team_admin(page, server)
     page.goto(f"{server}/portal/teams/{world.team_a1.pk}/")
     charts = charts_on(page)
-    assert list(charts) == ["traffic", "tokens", "spend"]
+    assert list(charts) == ["traffic", "tokens", "ttft", "itl", "spend"]
     assert charts["traffic"]["series"] == [*TRAFFIC, "Quota: requests/min"]
+    # The team's own latency: p50 and p90 in every minute it had a completed request (a few had only failures).
+    assert charts["ttft"]["series"] == ["Time to first token p50", "Time to first token p90"]
+    assert charts["itl"]["series"] == ["Inter-token latency p50", "Inter-token latency p90"]
+    completed = minutes_completed(world.team_a1)
+    assert all(completed - 1 <= n <= completed for n in charts["ttft"]["filled"] + charts["itl"]["filled"])
     assert charts["spend"]["series"] == ["Spend (USD)"]
     assert charts["traffic"]["points"] == 1440
     page.screenshot(path=OUTPUT / "charts-team-day.png", full_page=True)

@@ -178,7 +178,9 @@ def test_each_period_has_a_point_per_step_ending_now(world, period, points, step
     assert (len(data["t"]), data["step_s"]) == (points, step)
     assert data["t"][-1] <= time.time() < data["t"][-1] + step
     charts = {c["id"]: c for c in data["charts"]}
-    assert list(charts) == ["traffic", "tokens", "ttft", "itl", "cache", "queueing", "pool_main", "spend"]
+    assert list(charts) == [
+        "traffic", "tokens", "ttft", "itl", "cache", "queueing", "pool_main", "pool_main_latency", "spend",
+    ]  # fmt: skip
     for chart in charts.values():
         assert all(len(s["values"]) == points for s in chart["series"])
     requests = charts["traffic"]["series"][0]["values"]
