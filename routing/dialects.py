@@ -45,14 +45,112 @@ class Usage:
 
 
 class Dialect:
-    name = "openai"
+    """One public API's wire format, as the relay and metering read it: its errors, where its usage is, which
+    stream events carry content, usage or the end. Each API is a subclass; this base holds what they read alike."""
+
+    name = ""
     # The status of a request refused because the model is saturated (it waited past its class's limit).
     overloaded_status = 429
     # Events that carry the final usage or end the stream contain one of these; a run of events before the first
     # of them is passed on whole (less the running usage the router asked for), its content events counted with
-    # CONTENT_MARKER (once in each content event's JSON; a string inside the JSON cannot hold it, since its
-    # quotes are escaped there). None: look at every event.
-    SPECIAL_MARKERS: tuple[bytes, ...] | None = (b'"choices":[]', b"[DONE]")
+    # CONTENT_MARKER. None: look at every event.
+    SPECIAL_MARKERS: tuple[bytes, ...] | None = None
+    CONTENT_MARKER = b""
+
+    def error_body(
+        self, status: int, message: str, param: str | None = None, code: str | None = None
+    ) -> bytes:
+        raise NotImplementedError
+
+    def stream_error_event(self, status: int, message: str) -> bytes:
+        raise NotImplementedError
+
+    def usage_from_body(self, body: dict) -> Usage:
+        raise NotImplementedError
+
+    def carries_usage(self, event: bytes) -> bool:
+        """Whether this stream event is the one with the final usage: a byte test, cheap for every event."""
+        raise NotImplementedError
+
+    def prompt_from_event(self, event: bytes) -> int | None:
+        """The engine's count of prompt tokens, from a stream event that carries it before the end, else None."""
+        raise NotImplementedError
+
+    def is_content_event(self, event: bytes) -> bool:
+        raise NotImplementedError
+
+    def is_terminal_event(self, event: bytes) -> bool:
+        raise NotImplementedError
+
+    def without_running_usage(self, events: bytes) -> bytes:
+        """Events less the running usage the router asked for and the client did not (an API without any: as
+        they are)."""
+        return events
+
+    def is_usage_only_event(self, event: bytes) -> bool:
+        return False
+
+    def usage_from_tail(self, body: bytes) -> Usage:
+        """The usage of an answer sent whole, read from its bytes without parsing the rest: the last `"usage"`
+        key whose value is an object (a string in the JSON cannot hold the key, its quotes being escaped there;
+        vLLM writes the usage after the choices and output, before prompt logprobs, whose keys are token ids)."""
+        match = last_usage(body)
+        if match is None:
+            return Usage()
+        try:
+            usage = orjson.loads(match.group(1))
+        except orjson.JSONDecodeError:
+            return Usage()
+        return self.usage_from_body({"usage": usage})
+
+    def usage_from_event(self, event: bytes) -> Usage | None:
+        """Usage if this stream event carries the final usage, else None."""
+        if not self.carries_usage(event):
+            return None
+        data = _data_of(event)
+        return self.usage_from_body(data) if data else None
+
+    def running_output(self, events: bytes) -> int:
+        """The engine's running count of output tokens in the last of these events that carries one (vLLM's
+        `continuous_usage_stats`), else 0."""
+        at = events.rfind(b'"completion_tokens":')
+        if at < 0:
+            return 0
+        return _int_after(events[at:], b'"completion_tokens":') or 0
+
+    def running_outputs(self, events: bytes, counts: dict[int, int]) -> None:
+        """With several choices (`n`), vLLM's running count is each choice's own: the last count of each choice
+        in these events, into `counts` (choice index -> tokens)."""
+        for event in events.split(b"\n\n"):
+            count = _int_after(event, b'"completion_tokens":')
+            if count is not None:
+                index = _int_after(event, b'"choices":[{"index":') or 0
+                counts[index] = max(counts.get(index, 0), count)
+
+    def plain_prefix(self, events: bytes) -> int:
+        """The length of the leading run of whole events (`events` ends with one) that carry neither usage nor
+        the end of the stream, so they can be relayed without looking at each one."""
+        if self.SPECIAL_MARKERS is None:
+            return 0
+        cut = len(events)
+        for marker in self.SPECIAL_MARKERS:
+            at = events.find(marker, 0, cut)
+            if at >= 0:
+                cut = at
+        if cut == len(events):
+            return cut
+        boundary = events.rfind(b"\n\n", 0, cut)
+        return boundary + 2 if boundary >= 0 else 0
+
+
+class OpenAIDialect(Dialect):
+    """OpenAI's chat and text completions: usage in a last chunk of no choices (asked for by the router, and
+    running in every chunk), `data: [DONE]` at the end."""
+
+    name = "openai"
+    # The content marker is found once in each content event's JSON (a string inside the JSON cannot hold it,
+    # since its quotes are escaped there).
+    SPECIAL_MARKERS = (b'"choices":[]', b"[DONE]")
     CONTENT_MARKER = b'"choices":[{'
 
     def error_body(
@@ -82,78 +180,25 @@ class Dialect:
             bool(usage),
         )
 
-    def usage_from_tail(self, body: bytes) -> Usage:
-        """The usage of an answer sent whole, read from its bytes without parsing the rest: the last `"usage"`
-        key whose value is an object (a string in the JSON cannot hold the key, its quotes being escaped there;
-        vLLM writes the usage after the choices and output, before prompt logprobs, whose keys are token ids)."""
-        match = last_usage(body)
-        if match is None:
-            return Usage()
-        try:
-            usage = orjson.loads(match.group(1))
-        except orjson.JSONDecodeError:
-            return Usage()
-        return self.usage_from_body({"usage": usage})
-
     def carries_usage(self, event: bytes) -> bool:
-        """Whether this stream event is the one with the final usage: a byte test, cheap for every event."""
         return b'"usage"' in event and b'"choices":[]' in event
-
-    def usage_from_event(self, event: bytes) -> Usage | None:
-        """Usage if this stream event carries the final usage, else None."""
-        if not self.carries_usage(event):
-            return None
-        data = _data_of(event)
-        return self.usage_from_body(data) if data else None
 
     def is_usage_only_event(self, event: bytes) -> bool:
         return b'"choices":[]' in event and b'"usage"' in event
 
-    def running_output(self, events: bytes) -> int:
-        """The engine's running count of output tokens in the last of these events that carries one (vLLM's
-        `continuous_usage_stats`), else 0."""
-        at = events.rfind(b'"completion_tokens":')
-        if at < 0:
-            return 0
-        return _int_after(events[at:], b'"completion_tokens":') or 0
-
-    def running_outputs(self, events: bytes, counts: dict[int, int]) -> None:
-        """With several choices (`n`), vLLM's running count is each choice's own: the last count of each choice
-        in these events, into `counts` (choice index -> tokens)."""
-        for event in events.split(b"\n\n"):
-            count = _int_after(event, b'"completion_tokens":')
-            if count is not None:
-                index = _int_after(event, b'"choices":[{"index":') or 0
-                counts[index] = max(counts.get(index, 0), count)
-
     def prompt_from_event(self, event: bytes) -> int | None:
-        """The engine's count of prompt tokens, from a chunk that carries running usage (vLLM's
-        `continuous_usage_stats`: from the first chunk on, before the answer is over)."""
+        """From a chunk that carries running usage (vLLM's `continuous_usage_stats`: from the first chunk on,
+        before the answer is over)."""
         return _int_after(event, b'"prompt_tokens":')
 
     def without_running_usage(self, events: bytes) -> bytes:
-        """Content chunks (one, or a run of them) without the running usage the router asked for and the client
-        did not: vLLM writes `"usage"` after `"choices"`, an object of counts and objects of counts. One pass in
-        C over the run; a usage object cut off or nested deeper is left as it is."""
+        """Content chunks (one, or a run of them) without the running usage: vLLM writes `"usage"` after
+        `"choices"`, an object of counts and objects of counts. One pass in C over the run; a usage object cut
+        off or nested deeper is left as it is."""
         return RUNNING_USAGE.sub(b"", events) if b',"usage":{' in events else events
 
     def is_content_event(self, event: bytes) -> bool:
         return event.startswith(b"data: {") and self.CONTENT_MARKER in event
-
-    def plain_prefix(self, events: bytes) -> int:
-        """The length of the leading run of whole events (`events` ends with one) that carry neither usage nor
-        the end of the stream, so they can be relayed without looking at each one."""
-        if self.SPECIAL_MARKERS is None:
-            return 0
-        cut = len(events)
-        for marker in self.SPECIAL_MARKERS:
-            at = events.find(marker, 0, cut)
-            if at >= 0:
-                cut = at
-        if cut == len(events):
-            return cut
-        boundary = events.rfind(b"\n\n", 0, cut)
-        return boundary + 2 if boundary >= 0 else 0
 
     def is_terminal_event(self, event: bytes) -> bool:
         return event.startswith(b"data: [DONE]")
@@ -206,12 +251,6 @@ class AnthropicDialect(Dialect):
             return None
         return sum(count for count in counts if isinstance(count, int))
 
-    def without_running_usage(self, event: bytes) -> bytes:
-        return event
-
-    def is_usage_only_event(self, event: bytes) -> bool:
-        return False
-
     def is_content_event(self, event: bytes) -> bool:
         return event.startswith(self.CONTENT_MARKER)
 
@@ -219,8 +258,8 @@ class AnthropicDialect(Dialect):
         return event.startswith(b"event: message_stop")
 
 
-class ResponsesDialect(Dialect):
-    """OpenAI's Responses API: usage arrives in `response.completed`."""
+class ResponsesDialect(OpenAIDialect):
+    """OpenAI's Responses API (its errors as OpenAI's): usage arrives in `response.completed`."""
 
     name = "responses"
     SPECIAL_MARKERS = (b"response.completed",)
@@ -257,8 +296,8 @@ class ResponsesDialect(Dialect):
     def prompt_from_event(self, event: bytes) -> int | None:
         return None  # usage comes only with `response.completed`
 
-    def without_running_usage(self, event: bytes) -> bytes:
-        return event
+    def without_running_usage(self, events: bytes) -> bytes:
+        return events
 
     def is_usage_only_event(self, event: bytes) -> bool:
         return False
@@ -311,6 +350,6 @@ def _data_of(event: bytes) -> dict | None:
     return None
 
 
-OPENAI = Dialect()
+OPENAI = OpenAIDialect()
 ANTHROPIC = AnthropicDialect()
 RESPONSES = ResponsesDialect()
