@@ -39,7 +39,9 @@ def texts() -> list[str]:
 
 def same_ids(tokenizer: Tokenizer, encoder, pieces: list[str]) -> None:
     for piece in pieces:
-        assert list(encoder.encode(piece)) == tokenizer.encode(piece, add_special_tokens=False).ids, piece[:200]
+        assert list(encoder.encode(piece)) == tokenizer.encode(piece, add_special_tokens=False).ids, piece[
+            :200
+        ]
 
 
 def test_the_tiny_models_tokenizer_is_tokenised_with_tiktoken_and_gives_its_ids():
@@ -64,7 +66,9 @@ def test_the_router_tokenises_with_it_and_its_ids_do_not_change():
 def test_token_ids_that_do_not_follow_the_merges_order_are_mapped_back():
     def swap_two_merge_results(spec):
         vocab, merges = spec["model"]["vocab"], spec["model"]["merges"]
-        first, last = ("".join(m.split(" ")) if isinstance(m, str) else "".join(m) for m in (merges[0], merges[-1]))
+        first, last = (
+            "".join(m.split(" ")) if isinstance(m, str) else "".join(m) for m in (merges[0], merges[-1])
+        )
         vocab[first], vocab[last] = vocab[last], vocab[first]
 
     tokenizer = variant(swap_two_merge_results)
@@ -86,7 +90,9 @@ def test_a_piece_with_a_non_special_added_token_is_left_to_the_tokenizer():
     encoder = fast_encoder(tokenizer)
     assert encoder is not None
     assert encoder.encode("call it: <tool_call>{}") is None
-    assert list(encoder.encode("call it: {}")) == tokenizer.encode("call it: {}", add_special_tokens=False).ids
+    assert (
+        list(encoder.encode("call it: {}")) == tokenizer.encode("call it: {}", add_special_tokens=False).ids
+    )
 
 
 def another_merge(spec: dict) -> list[str] | str:
@@ -109,13 +115,18 @@ def another_merge(spec: dict) -> list[str] | str:
         pytest.param(lambda s: s["model"].update(byte_fallback=True), id="byte fallback"),
         pytest.param(lambda s: s["model"].update(dropout=0.1), id="dropout"),
         pytest.param(
-            lambda s: s.update(pre_tokenizer={"type": "Whitespace"}), id="a pre-tokenizer that is not byte-level"
+            lambda s: s.update(pre_tokenizer={"type": "Whitespace"}),
+            id="a pre-tokenizer that is not byte-level",
         ),
         pytest.param(
-            lambda s: s["pre_tokenizer"]["pretokenizers"].insert(0, {"type": "Digits", "individual_digits": True}),
+            lambda s: s["pre_tokenizer"]["pretokenizers"].insert(
+                0, {"type": "Digits", "individual_digits": True}
+            ),
             id="a step before the split",
         ),
-        pytest.param(lambda s: s["model"]["vocab"].update({"Ġunreached": 10**6}), id="a token no merge makes"),
+        pytest.param(
+            lambda s: s["model"]["vocab"].update({"Ġunreached": 10**6}), id="a token no merge makes"
+        ),
         pytest.param(lambda s: s["model"]["merges"].append(another_merge(s)), id="two merges, one token"),
     ],
 )
