@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
+import http.server
 import json
 import os
 import platform
@@ -36,6 +37,7 @@ import shutil
 import signal
 import statistics
 import subprocess
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -608,7 +610,35 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="write the section into this file (default docs/benchmarks.md for full runs, none for --quick)",
     )
     p.add_argument("--budget", type=float, default=None, help="stop measuring after this many seconds")
+    p.add_argument(
+        "--tracing",
+        type=float,
+        nargs="+",
+        metavar="RATIO",
+        help="also measure our router (no quota) with traces on, one router per RATIO of the requests sampled, "
+        "exporting over OTLP/HTTP to a local sink that drops them, in the same rounds",
+    )
     return p.parse_args(argv)
+
+
+def otlp_sink(received: list[int]) -> int:
+    """A collector stand-in for the traced routers: answers every OTLP/HTTP export with 200 and keeps nothing but
+    the bytes' count in `received`."""
+
+    class Sink(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            received.append(len(self.rfile.read(int(self.headers.get("content-length") or 0))))
+            self.send_response(200)
+            self.send_header("content-type", "application/x-protobuf")
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Sink)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server.server_address[1]
 
 
 def baseline_worktree(rev: str) -> Path:
@@ -695,6 +725,23 @@ def main(argv: list[str]) -> int:
                     base_proc,
                 )
             )
+        exports: list[int] = []
+        sink = otlp_sink(exports) if args.tracing else None
+        for ratio in args.tracing or ():
+            traced_env = {
+                **env,
+                "ROUTER_TRACES_ENDPOINT": f"http://127.0.0.1:{sink}/v1/traces",
+                "ROUTER_TRACES_SAMPLE_RATIO": str(ratio),
+            }
+            traced_proc, traced_port = start_router(procs, traced_env, name=f"router-traced-{ratio:g}")
+            gateways.append(
+                Gateway(
+                    f"ours, traces sampled {ratio:g}, no quota",
+                    traced_port,
+                    {"Authorization": f"Bearer {keys['free']}"},
+                    traced_proc,
+                )
+            )
         for gw in gateways:
             smoke(gw, body, 30)
 
@@ -757,6 +804,8 @@ def main(argv: list[str]) -> int:
                 break
             done_rounds = r + 1
         rounds_run = max(done_rounds, 1)
+        if args.tracing:
+            log(f"the OTLP sink took {len(exports)} exports, {sum(exports):,} bytes")
 
         text, medians = table(samples, gateways, concurrencies, rounds_run)
         ours = ["ours, no quota", "ours, team quota"]

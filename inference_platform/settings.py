@@ -418,6 +418,22 @@ ROUTER_SHARED_TOKENS = env_bool("ROUTER_SHARED_TOKENS", True)
 ROUTER_SHARED_TOKENS_MIN_PIECE_CHARS = env_int("ROUTER_SHARED_TOKENS_MIN_PIECE_CHARS", 256)
 ROUTER_SHARED_TOKENS_MIN_REQUEST_CHARS = env_int("ROUTER_SHARED_TOKENS_MIN_REQUEST_CHARS", 4096)
 ROUTER_SHARED_TOKENS_TTL_SECONDS = env_int("ROUTER_SHARED_TOKENS_TTL_SECONDS", 6 * 3600)
+# Traces (routing/tracing.py): OTLP/HTTP (protobuf) to this URL, the collector's /v1/traces; empty: off, at no
+# cost. By default the standard OpenTelemetry variables' endpoint. ROUTER_TRACES_SAMPLE_RATIO of the requests
+# without a sampled parent are kept (a client's `traceparent` decides for its own request). The exporter reads
+# OTEL_EXPORTER_OTLP_HEADERS (or _TRACES_HEADERS) itself.
+_OTLP_BASE = (env_secret("OTEL_EXPORTER_OTLP_ENDPOINT") or "").rstrip("/")
+ROUTER_TRACES_ENDPOINT = (
+    ""
+    if env_bool("OTEL_SDK_DISABLED", False)
+    else env_secret("ROUTER_TRACES_ENDPOINT")
+    or env_secret("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    or (f"{_OTLP_BASE}/v1/traces" if _OTLP_BASE else "")
+)
+ROUTER_TRACES_SAMPLE_RATIO = float(env_secret("ROUTER_TRACES_SAMPLE_RATIO") or 1.0)
+if not 0.0 <= ROUTER_TRACES_SAMPLE_RATIO <= 1.0:
+    raise ImproperlyConfigured("ROUTER_TRACES_SAMPLE_RATIO must be between 0 and 1")
+ROUTER_TRACES_SERVICE_NAME = env_secret("OTEL_SERVICE_NAME") or "inference-router"
 # /v1/messages/count_tokens: its largest body (a 413 past it), and how long it waits for its count (then a 503).
 # Each call counts against its key's and team's requests per minute, as a generation request does.
 ROUTER_COUNT_TOKENS_MAX_BYTES = env_int("ROUTER_COUNT_TOKENS_MAX_BYTES", 4 * 1024 * 1024)
@@ -520,6 +536,10 @@ KUBERNETES_ENGINE_EGRESS_CIDRS = env_list("KUBERNETES_ENGINE_EGRESS_CIDRS", [])
 # Hosts a vLLM engine of a model that takes images, audio or video may fetch media URLs from (vLLM's
 # --allowed-media-domains). Empty: none at all, so media must come inline as data: URLs.
 ENGINE_ALLOWED_MEDIA_DOMAINS = env_list("ENGINE_ALLOWED_MEDIA_DOMAINS", [])
+# Where vLLM engines export their own request spans (vLLM's --otlp-traces-endpoint, OTLP/gRPC by default): the
+# router passes each request's `traceparent`, so they join its trace. Empty: not passed. The simulator takes no
+# such flag.
+ENGINE_TRACES_ENDPOINT = env_secret("ENGINE_TRACES_ENDPOINT") or ""
 
 # The portal's live-traffic WebSocket is served by the web process (inference_platform/web_asgi.py), beside the
 # portal's pages and behind the same session cookie; never by the router. Empty: the page's own host and port;

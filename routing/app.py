@@ -30,7 +30,7 @@ from redis.exceptions import RedisError
 
 from inference_platform.config_version import CONFIG_VERSION_KEY
 
-from . import metrics
+from . import metrics, tracing
 from .admission import Admission, quota_scopes
 from .checks import (
     ClientGone,
@@ -126,6 +126,13 @@ class Router:
                 self.prefix = PrefixRouting(self.redis)
                 self.finisher = Finisher(self.redis, self.admission)
                 self.upstream = UpstreamPool(self.connect_timeout)
+                tracing.configure(
+                    settings.ROUTER_TRACES_ENDPOINT,
+                    settings.ROUTER_TRACES_SAMPLE_RATIO,
+                    settings.ROUTER_TRACES_SERVICE_NAME,
+                )
+                if tracing.ON:
+                    tracing.instrument(self)
                 await self.refresh(force=True)
                 # The long-lived objects made at start-up stay out of every later collection, and collections
                 # come less often: fewer pauses in the middle of streams.
@@ -156,6 +163,7 @@ class Router:
             await self.finisher.stop()  # replays the usage journal while Redis is still open
         if self.redis:
             await self.redis.aclose()
+        tracing.shutdown()
 
     async def refresh(self, force: bool = False) -> None:
         """Reload the snapshot when the configuration version in Redis moved, or when it is older than
@@ -244,6 +252,8 @@ class Router:
         if route is not None:
             if method != "POST":
                 return await respond(send, 405, route.dialect.error_body(405, "Use POST."), JSON_HEADERS)
+            if tracing.ON:
+                return await self._take_in_traced(scope, receive, send, route.dialect)
             return await self._take_in(scope, receive, send, route.dialect)
         if path == "/v1/models" and method == "GET":
             return await self.models(scope, send)
@@ -281,7 +291,8 @@ class Router:
         """A request with a body, under the limits of routing/intake.py: its key's requests still arriving, its
         body's deadline and rate, and a send timeout for a client that stops reading."""
         try:
-            key = self.authenticate(scope, dialect)
+            with tracing.span("router.authenticate"):
+                key = self.authenticate(scope, dialect)
         except HttpError:
             key = None  # its handler refuses it before reading any of its body
         try:
@@ -303,6 +314,14 @@ class Router:
             metrics.of(metrics.errors, "", "client_stalled").inc()
         finally:
             guard.release()
+
+    async def _take_in_traced(self, scope: dict, receive: Receive, send: Send, dialect: Dialect) -> None:
+        """A generation request under its trace's root span (routing/tracing.py), its traceparent in the answer."""
+        trace = tracing.begin(scope)
+        try:
+            await self._take_in(scope, receive, trace.wrap(send), dialect)
+        finally:
+            tracing.end(trace)
 
     async def serve_metrics(self, scope: dict, send: Send) -> None:
         """The router's own metrics, for the operator's scraper only: `Authorization: Bearer

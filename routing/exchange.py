@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from django.conf import settings
 
-from . import metrics
+from . import metrics, tracing
 from .admission import cost_units
 from .assemble import Assembler, EngineStreamError, assembler_for
 from .dialects import OPENAI, USAGE_KEY, Dialect, Usage, last_usage
@@ -121,14 +121,17 @@ class Exchange:
         request, usage = self.request, self.usage
         spend = cost_units(request.prices, usage.prompt_tokens, usage.cached_tokens, usage.output_tokens)
         router = self.router
+        if tracing.ON:
+            tracing.settled(self)
         try:
-            await router.finisher.settle(
-                request.reservation,
-                input_tokens=usage.prompt_tokens,
-                output_tokens=usage.output_tokens,
-                spend=spend,
-                event=self.usage_event(),
-            )
+            with tracing.span("router.settle"):
+                await router.finisher.settle(
+                    request.reservation,
+                    input_tokens=usage.prompt_tokens,
+                    output_tokens=usage.output_tokens,
+                    spend=spend,
+                    event=self.usage_event(),
+                )
             if request.ctx.block_count and usage.reported:
                 router.prefix.observe(
                     request.deployment,
@@ -184,9 +187,10 @@ class Exchange:
         uncached = (ctx.prompt_tokens_estimate or request.input_bound) - held
         work = flow.estimate(flow.flow(request.deployment), uncached, request.output_bound)
         try:
-            self.ticket = await flow.enter(
-                request.deployment, request.key, request.priority, work, request.started, blocks
-            )
+            with tracing.span("router.flow_wait"):
+                self.ticket = await flow.enter(
+                    request.deployment, request.key, request.priority, work, request.started, blocks
+                )
         except QueueTimeout as exc:
             self.queued_s = exc.waited
             self.status = "rejected"
@@ -228,14 +232,17 @@ class Exchange:
             ctx.room_beyond = policy.saturation_waiting_per_engine
             ctx.spare_slots = policy.saturation_spare_slots_per_engine if ticket.ahead else 0.0
             ctx.reserved_endpoint = ticket.endpoint
-        for _ in range(router.max_attempts):
+        for attempt in range(router.max_attempts):
             ctx.exclude = frozenset(tried)
-            candidate, candidates = router.pipeline.choose(request.deployment, ctx, router.loads)
-            if candidate is None:
-                break
-            self.predicted_cached = router.prefix.chosen(
-                request.deployment, ctx, candidate, candidates, request.request_id
-            )
+            with tracing.span("router.pick") as pick:
+                candidate, candidates = router.pipeline.choose(request.deployment, ctx, router.loads)
+                if candidate is None:
+                    break
+                self.predicted_cached = router.prefix.chosen(
+                    request.deployment, ctx, candidate, candidates, request.request_id
+                )
+                if pick is not None:
+                    tracing.picked(pick, candidate, len(candidates), self.predicted_cached)
             endpoint = candidate.endpoint
             tried.add(endpoint.id)
             self.endpoint_url, self.endpoint_name = endpoint.url, endpoint.name
@@ -254,7 +261,8 @@ class Exchange:
             uncached = 0 if prefilled.remotely else ctx.prompt_tokens_estimate - self.predicted_cached
             self._prefilling = load, load.prefill_began(float(max(0, uncached)), time.monotonic())
             try:
-                failure = await self._try(endpoint.url, prefilled.body)
+                with tracing.attempt(self, endpoint, attempt + 1):
+                    failure = await self._try(endpoint.url, prefilled.body)
                 if failure is None:
                     return
                 failures.append(failure)
@@ -383,11 +391,14 @@ class Exchange:
     def upstream_headers(self) -> list[tuple[str, str]]:
         """Only the router's own headers: never the client's key. The engine key proves the call comes from
         the router (engines on Kubernetes require it)."""
-        return [
+        headers = [
             ("content-type", "application/json"),
             ("x-request-id", self.request.request_id),
             ("authorization", f"Bearer {self.request.deployment.engine_key}"),
         ]
+        if tracing.ON:
+            tracing.inject(headers)  # W3C trace context: the engine's spans join the request's trace
+        return headers
 
     async def _relay_body(self, resp: Response) -> None:
         """An answer the engine sent whole: relayed as it came, its usage read from its last bytes (a body of
@@ -419,6 +430,8 @@ class Exchange:
             error = self.request.dialect.error_body(502, message)
             return await respond(self.send, 502, error, self._error_headers())
         self.usage = dialect.usage_from_tail(body)
+        if tracing.ON:
+            tracing.saw(body[-65536:])
         self.status = "completed"
         await self.settle()
         await respond(self.send, resp.status, body, self._response_headers(resp))
@@ -635,6 +648,8 @@ class Exchange:
 
     async def _send_events(self, resp: Response, data: bytes) -> None:
         self._first_byte()
+        if tracing.ON:
+            tracing.saw(data)
         if self.assembler is not None:
             self.assembler.feed_events(data)
             return
@@ -654,6 +669,8 @@ class Exchange:
             metrics.of(metrics.ttft, self.model, self.endpoint_name).observe(
                 self.first_byte_at - self.request.started
             )
+            if tracing.ON:
+                tracing.first_token()
 
     def _error_headers(self) -> list[tuple[bytes, bytes]]:
         request_id = (b"x-request-id", self.request.request_id.encode())

@@ -17,6 +17,7 @@ import time
 from array import array
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from functools import partial
 from typing import TYPE_CHECKING
 
 from django.conf import settings
@@ -24,7 +25,7 @@ from redis.exceptions import RedisError
 
 from tenants.usage_stream import UsageEvent
 
-from . import metrics
+from . import metrics, tracing
 from .admission import Decision, cost_units, quota_scopes
 from .assemble import assembles
 from .checks import (
@@ -42,6 +43,7 @@ from .checks import (
 )
 from .dialects import OPENAI, Dialect
 from .exchange import Exchange, RequestInfo
+from .finisher import InFlight
 from .pipeline import RequestContext
 from .prefix import needs_prompt, read_outcome
 from .sessions import session_key
@@ -93,6 +95,8 @@ async def generate(
     except ClientGone:
         return
     model = checked.deployment.served_model_name
+    if tracing.ON:
+        tracing.checked(checked, request_id)
     if not router.finisher.accepting:
         metrics.of(metrics.errors, model, "usage_unrecordable").inc()
         return await respond(
@@ -107,7 +111,8 @@ async def generate(
         )
 
     try:
-        decision, prices = await admit(router, checked, request_id)
+        with tracing.span("router.admit"):
+            decision, prices = await admit(router, checked, request_id)
     except RedisError:
         log.exception("admission failed")
         metrics.of(metrics.errors, model, "admission").inc()
@@ -127,7 +132,8 @@ async def generate(
         )
 
     try:
-        ctx = await place(router, checked, scope["path"], request_id)
+        with tracing.span("router.place"):
+            ctx = await place(router, checked, scope["path"], request_id)
     except BaseException:
         router.admission.release(decision.reservation)  # its slot lease runs out instead of being renewed
         raise
@@ -229,15 +235,19 @@ async def admit(router: Router, checked: Checked, request_id: str) -> tuple[Deci
         input_reserve=checked.input_bound,
         output_reserve=checked.output_bound,
         spend_reserve=cost_units(prices, checked.input_bound, 0, checked.output_bound),
-        orphan_event=orphan_event(checked, request_id) if under_quota else None,
+        orphan_event=orphan_event(checked.key, checked.deployment, checked.priority, request_id)
+        if under_quota
+        else None,
     )
     return decision, prices
 
 
-def orphan_event(checked: Checked, request_id: str) -> str:
+def orphan_event(
+    key: KeyInfo, deployment: DeploymentInfo, priority: str, request_id: str, prompt_tokens: int = 0
+) -> str:
     """The usage event a request gets if its replica dies before it ends (routing/admission.py, REAP): failed,
-    with no tokens, since what the engine did is known only to the replica that died."""
-    key, deployment = checked.key, checked.deployment
+    with its prompt as the router counted it once it goes to an engine (else none) and no output, since what the
+    engine did is known only to the replica that died."""
     return UsageEvent(
         request_id=request_id,
         tenant_id=key.tenant_id,
@@ -246,15 +256,24 @@ def orphan_event(checked: Checked, request_id: str) -> str:
         deployment_id=deployment.id,
         model=deployment.served_model_name,
         endpoint="",
-        prompt_tokens=0,
+        prompt_tokens=prompt_tokens,
         cached_prompt_tokens=0,
         output_tokens=0,
         ttft_ms=None,
         latency_ms=None,
         status="failed",
         created_at=datetime.now(UTC),
-        priority_class=checked.priority,
+        priority_class=priority,
     ).encode()
+
+
+def in_flight_event(exchange: Exchange) -> InFlight:
+    """`orphan_event` for a request on its way to an engine, and what it bills: its prompt as the engine counted
+    it if it said so yet, else as the router did (none when the router did not tokenize it)."""
+    request = exchange.request
+    prompt = exchange.usage.prompt_tokens or request.ctx.prompt_tokens_estimate
+    event = orphan_event(request.key, request.deployment, request.priority, request.request_id, prompt)
+    return InFlight(event, prompt, cost_units(request.prices, prompt, 0, 0))
 
 
 async def place(router: Router, checked: Checked, path: str, request_id: str) -> RequestContext:
@@ -286,6 +305,8 @@ async def serve(router: Router, request: RequestInfo, receive: Receive, send: Se
                 send, 400, request.dialect.error_body(400, too_long.message, too_long.param), JSON_HEADERS
             )
         else:
+            if request.reservation is not None:  # billed from Redis if this process dies before it ends
+                router.finisher.opened(request.reservation, partial(in_flight_event, exchange))
             await exchange.run()
     finally:
         await asyncio.shield(exchange.settle())

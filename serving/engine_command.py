@@ -306,6 +306,9 @@ def render_engine_command(*, deployment: ModelDeployment, pool: Pool, ports: Eng
         argv += ["--data-parallel-size", str(pool.data_parallel_size)]
     if pool.enable_expert_parallel:
         argv.append("--enable-expert-parallel")
+    if settings.ENGINE_TRACES_ENDPOINT and deployment.engine_kind != EngineKind.SIM:
+        # vLLM exports its request spans there, under the traceparent the router sends (routing/tracing.py).
+        argv += ["--otlp-traces-endpoint", settings.ENGINE_TRACES_ENDPOINT]
     argv += [str(arg) for arg in pool.extra_engine_args or []]
 
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONHASHSEED": "0"}

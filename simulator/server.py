@@ -18,7 +18,7 @@ import json
 import logging
 import time
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -295,9 +295,13 @@ class SimulatorApp:
         template = tokenizer.chat_template
         self.traits = template_traits(template)
         self.merge_inline_system = rejects_inline_system(template)
+        # The W3C trace context of the last requests that carried one, as vLLM would parent its own spans on it
+        # (GET /debug/traceparents: the router's tracing tests read it).
+        self.traceparents: deque[dict] = deque(maxlen=256)
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=256 * 1024 * 1024)
+        app = web.Application(client_max_size=256 * 1024 * 1024, middlewares=[self._note_traceparent])
+        app.router.add_get("/debug/traceparents", self.debug_traceparents)
         app.router.add_get("/health", self.health)
         app.router.add_get("/ping", self.health)
         app.router.add_get("/version", self.version)
@@ -321,6 +325,22 @@ class SimulatorApp:
         app.router.add_get("/v1/responses/{response_id}", self.stored_response)
         app.router.add_post("/v1/responses/{response_id}/cancel", self.stored_response)
         return app
+
+    @web.middleware
+    async def _note_traceparent(self, request: web.Request, handler):
+        traceparent = request.headers.get("traceparent")
+        if traceparent is not None:
+            self.traceparents.append(
+                {
+                    "path": request.path,
+                    "request_id": request.headers.get("x-request-id"),
+                    "traceparent": traceparent,
+                }
+            )
+        return await handler(request)
+
+    async def debug_traceparents(self, request: web.Request) -> web.Response:
+        return web.json_response(list(self.traceparents))
 
     # --- small routes ---------------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
