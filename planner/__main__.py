@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .profile import Profile
+from .profile import Profile, profile_names
 from .trace import assign_tenants, load_trace, tenant_rule
 
 
@@ -15,7 +15,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engines", type=int, default=8)
     p.add_argument("--mode", default="precise", help="the routing policy's mode")
     p.add_argument("--modes", nargs="+", help="several modes, compared side by side")
-    p.add_argument("--profile", help="a profile JSON file, or a name in planner/profiles/")
+    p.add_argument(
+        "--profile",
+        help=f"a profile JSON file, or the name of one in planner/profiles/ ({', '.join(profile_names())}); "
+        "measure one with `manage.py profile_engine`",
+    )
     p.add_argument("--limit", type=int, help="the first N requests only")
     p.add_argument("--speed", type=float, default=1.0, help="arrivals this many times faster")
     p.add_argument("--tenants", type=int, default=0, help="assign this many tenants by --tenant-rule")

@@ -9,6 +9,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
+# Keys a profile file may hold beside the parameters: prose, and what a measured profile was fitted from.
+NOT_PARAMETERS = {"comment", "sources", "measured", "measurements", "fit"}
 
 
 @dataclass(frozen=True)
@@ -16,12 +18,18 @@ class Profile:
     name: str = "unnamed"
     source: str = ""  # where the numbers come from (measured, published, or illustrative)
     step_fixed_s: float = 0.006  # every iteration: scheduling, sampling, kernel launches
+    # An iteration with prefill chunks, where that differs (the simulator prefills beside its decode steps, at a
+    # fixed cost of its own): alone, or the larger of the two beside decoding sequences. None: step_fixed_s.
+    prefill_fixed_s: float | None = None
     prefill_per_token_s: float = 6e-5  # per prompt token computed (the linear layers)
     # Attention of a prompt token over the context before it: seconds per token per 1,000 tokens of context (cached
     # tokens count here, as they are read, though not computed).
     prefill_attention_s: float = 2e-7
     decode_per_seq_s: float = 2e-4  # per sequence decoding in the iteration
     decode_per_ktoken_s: float = 2e-5  # per 1,000 tokens of context those sequences read
+    # Between a request's arrival at the engine and its scheduler seeing it (HTTP, parsing, tokenizing): it delays
+    # the request's prefill and nothing else.
+    request_overhead_s: float = 0.0
     kv_capacity_tokens: int = 500_000
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 8192  # tokens one iteration computes: prefill chunks plus decode tokens
@@ -38,6 +46,8 @@ class Profile:
         """One iteration: `prefill` lists (tokens computed now, tokens of context before them) per chunk; the
         decode part is `decode_seqs` sequences reading `decode_context` tokens in all."""
         t = self.step_fixed_s
+        if prefill and self.prefill_fixed_s is not None:
+            t = max(t, self.prefill_fixed_s) if decode_seqs else self.prefill_fixed_s
         for tokens, before in prefill:
             t += tokens * (self.prefill_per_token_s + self.prefill_attention_s * (before + tokens / 2) / 1000)
         if decode_seqs:
@@ -50,7 +60,7 @@ class Profile:
     @classmethod
     def from_dict(cls, data: dict) -> Profile:
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known - {"comment"})
+        unknown = sorted(set(data) - known - NOT_PARAMETERS)
         if unknown:
             raise ValueError(f"unknown profile fields: {', '.join(unknown)}")
         return cls(**{k: v for k, v in data.items() if k in known})
@@ -63,4 +73,13 @@ class Profile:
         p = Path(path)
         if not p.exists() and (PROFILES_DIR / f"{path}.json").exists():
             p = PROFILES_DIR / f"{path}.json"
+        if not p.exists():
+            raise FileNotFoundError(
+                f"no profile {path}: neither a file nor one of {', '.join(profile_names())}"
+            )
         return cls.from_dict(json.loads(p.read_text()))
+
+
+def profile_names() -> list[str]:
+    """The profiles in planner/profiles/, by name."""
+    return sorted(p.stem for p in PROFILES_DIR.glob("*.json"))

@@ -114,7 +114,8 @@ class Simulation:
         self.on_pick = on_pick
         self.picks: dict[int, int] = {e: 0 for e in self.engines}
 
-    # Events: (time, order, kind, object, generation); kind 0 an arrival, 1 an engine's iteration ending.
+    # Events: (time, order, kind, object, generation); kind 0 an arrival at the router, 1 an engine's iteration
+    # ending, 2 a routed request reaching its engine's scheduler (after the profile's request overhead).
     def _schedule_step(self, at: float, engine: Engine, gen: int) -> None:
         self._n += 1
         heapq.heappush(self._events, (at, self._n, 1, engine, gen))
@@ -135,8 +136,10 @@ class Simulation:
                 last = at
                 if kind == 0:
                     self._arrive(obj)
-                else:
+                elif kind == 1:
                     obj.step_done(at, gen)
+                else:
+                    self.engines[obj.router_state.endpoint].submit(obj, at)
         return Result(
             self.mode,
             len(self.engines),
@@ -213,7 +216,12 @@ class Simulation:
         seq = Seq(request=r, blocks=r.full_blocks(self.bt), routed_s=now)
         seq.router_state = RouterState(eid, weight, lane)
         self.seqs.append(seq)
-        self.engines[eid].submit(seq, now)
+        overhead = self.profile.request_overhead_s
+        if overhead > 0:
+            self._n += 1
+            heapq.heappush(self._events, (now + overhead, self._n, 2, seq, 0))
+        else:
+            self.engines[eid].submit(seq, now)
 
     def _first_token(self, seq: Seq, now: float) -> None:
         state = seq.router_state

@@ -1,0 +1,75 @@
+"""The profile fit on measurements made up from a known profile: it gives that profile back."""
+
+from __future__ import annotations
+
+import pytest
+
+from planner.fit import fit_profile, lone_prefill_s, nonnegative_lstsq
+from planner.measure import DecodePoint, Measurements, PrefillPoint
+from planner.profile import Profile
+
+pytestmark = pytest.mark.unit
+
+
+def made_up(truth: Profile) -> Measurements:
+    m = Measurements("http://engine", "m", 128, kv_blocks=1000)
+    for computed, cached in [(128, 0), (512, 0), (2048, 0), (3072, 0), (128, 1024), (1024, 2048)]:
+        m.prefill.append(PrefillPoint(computed + cached, cached, lone_prefill_s(truth, computed, cached)))
+    for n in (1, 2, 4, 8, 16):
+        for length in (191, 959, 3007):
+            context = n * (length + 32)
+            m.decode.append(DecodePoint(n, length, 64, truth.iteration_s([], n, context)))
+    return m
+
+
+@pytest.mark.parametrize(
+    "truth",
+    [
+        # vLLM-like: prefill iterations cost a step, requests an overhead; prompts over 2048 tokens in two chunks.
+        Profile(
+            step_fixed_s=0.002,
+            prefill_per_token_s=6e-6,
+            prefill_attention_s=1.3e-5,
+            decode_per_seq_s=1e-4,
+            decode_per_ktoken_s=2e-4,
+            request_overhead_s=0.003,
+            max_num_batched_tokens=2048,
+        ),
+        # Simulator-like: a prefill costs less fixed time than a decode step.
+        Profile(
+            step_fixed_s=0.0095,
+            prefill_fixed_s=0.005,
+            prefill_per_token_s=3e-5,
+            decode_per_seq_s=5e-4,
+            decode_per_ktoken_s=0.0,
+            prefill_attention_s=0.0,
+        ),
+    ],
+)
+def test_it_gives_back_the_profile_the_measurements_came_from(truth):
+    fit = fit_profile(made_up(truth), Profile(max_num_batched_tokens=truth.max_num_batched_tokens))
+    got = fit.profile
+    for field in (
+        "step_fixed_s",
+        "prefill_per_token_s",
+        "prefill_attention_s",
+        "decode_per_seq_s",
+        "decode_per_ktoken_s",
+        "request_overhead_s",
+    ):
+        assert getattr(got, field) == pytest.approx(getattr(truth, field), rel=1e-3, abs=1e-9), field
+    if truth.prefill_fixed_s is None:
+        assert got.prefill_fixed_s is None
+    else:
+        assert got.prefill_fixed_s == pytest.approx(truth.prefill_fixed_s, rel=1e-3)
+    assert got.kv_capacity_tokens == 128_000
+    assert fit.summary()["prefill_max_abs_error"] < 1e-3 and fit.summary()["decode_max_abs_error"] < 1e-3
+
+
+def test_the_least_squares_keep_bounded_parameters_non_negative():
+    a = [[1.0, 1.0], [1.0, 2.0], [1.0, 3.0]]
+    y = [3.0, 2.0, 1.0]  # a falling line: the slope would be -1
+    x = nonnegative_lstsq(a, y)
+    assert x[1] == 0 and x[0] == pytest.approx(2.0)
+    free = nonnegative_lstsq(a, y, free=(1,))
+    assert free == pytest.approx([4.0, -1.0])
