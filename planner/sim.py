@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .clock import VirtualClock, on_clock
+from .clock import VirtualClock
 from .django_env import ensure_django
 from .engine import Engine, Seq
 from .profile import Profile
@@ -100,6 +100,7 @@ class Simulation:
         self.bt = block_tokens
         self.deployment = deployment_for(mode, engines, profile, block_tokens, **(policy or {}))
         self.clock = VirtualClock()
+        self.pipeline.clock = self.clock.monotonic  # every plugin reads ctx.now, set from it at each choice
         self._events: list[tuple[float, int, int, object, int]] = []
         self._n = 0
         self.engines = {
@@ -129,17 +130,16 @@ class Simulation:
         events = self._events
         clock = self.clock
         last = 0.0
-        with on_clock(clock):
-            while events:
-                at, _, kind, obj, gen = heapq.heappop(events)
-                clock.now = at
-                last = at
-                if kind == 0:
-                    self._arrive(obj)
-                elif kind == 1:
-                    obj.step_done(at, gen)
-                else:
-                    self.engines[obj.router_state.endpoint].submit(obj, at)
+        while events:
+            at, _, kind, obj, gen = heapq.heappop(events)
+            clock.now = at
+            last = at
+            if kind == 0:
+                self._arrive(obj)
+            elif kind == 1:
+                obj.step_done(at, gen)
+            else:
+                self.engines[obj.router_state.endpoint].submit(obj, at)
         return Result(
             self.mode,
             len(self.engines),

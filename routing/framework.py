@@ -8,6 +8,7 @@ mode is a list of plugin names, in the order they run; routing/plugins.py regist
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -39,6 +40,9 @@ class RequestContext:
     room_beyond: float | None = None
     spare_slots: float = 0.0  # and how many of its slots to leave free (its tenant is ahead of its share)
     reserved_endpoint: int | None = None  # the engine whose slot flow control reserved for this request
+    # The time every plugin reads (loads decay with it): the pipeline's clock when it chose (Pipeline.clock:
+    # time.monotonic in the router, the virtual clock in planner/).
+    now: float = field(default_factory=time.monotonic)
 
 
 @dataclass

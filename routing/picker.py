@@ -5,7 +5,6 @@ field in the order listed, and what is left takes turns. See docs/routing.md#the
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -32,7 +31,7 @@ def prefill_ahead(ctx: RequestContext, candidates: Sequence[Candidate], block_si
         held.append(0 if c.guarded else blocks)
     floor = int(common_floor(held))
     span = max(0, ctx.prompt_tokens_estimate - floor * block_size)
-    now = time.monotonic()
+    now = ctx.now
     return [
         c.load.prefill_left(now) + c.load.others_prefill + max(0, span - max(0, h - floor) * block_size)
         for c, h in zip(candidates, held, strict=True)
@@ -58,7 +57,7 @@ def soonest_first_token(choice: Choice, at: list[int]) -> list[int]:
 def fewest_sent_lately(choice: Choice, at: list[int]) -> list[int]:
     """Among equals, the engines sent the fewest requests lately (within half a request): a new session goes
     where fewer live."""
-    now = time.monotonic()
+    now = choice.ctx.now
     candidates = choice.candidates
     served = [candidates[i].load.served(now) for i in at]
     least = min(served)

@@ -7,6 +7,8 @@ docs/routing.md#the-plugin-framework.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from . import plugins  # noqa: F401  (registers the built-in plugins and modes)
@@ -23,9 +25,11 @@ FALLBACK_MODE = "least_loaded"
 
 
 class Pipeline:
-    def __init__(self, registry: Registry = REGISTRY):
+    def __init__(self, registry: Registry = REGISTRY, clock: Callable[[], float] = time.monotonic):
+        """`clock`: what `ctx.now` is set from at each choice, for every plugin (planner/ gives a virtual one)."""
         self.registry = registry
         self.picker = Picker()
+        self.clock = clock
 
     def choose(
         self,
@@ -35,6 +39,7 @@ class Pipeline:
         roles: tuple[str, ...] = DECODE_ROLES,
     ) -> tuple[Candidate | None, list[Candidate]]:
         """Pick among the endpoints of these roles (the decode side by default; PREFILL_ROLES for a prefill leg)."""
+        ctx.now = self.clock()
         candidates = [
             Candidate(e, loads.get(e.id) or EndpointLoad()) for e in deployment.endpoints if e.role in roles
         ]

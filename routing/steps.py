@@ -5,7 +5,6 @@ new_session_spread, load_guard. See docs/routing.md#modes-scorers-and-steps.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -40,6 +39,8 @@ def load_guard(
     ratio: float,
     spare: Callable[[Candidate], bool] | None = None,
     affinity: Sequence[str] | None = None,
+    *,
+    now: float,
 ) -> None:
     """Keep affinity from piling everything on one engine: an engine loaded beyond `ratio` times the mean
     (plus one request of slack) loses its affinity scores (`affinity`: the registry's, prefix and session),
@@ -47,7 +48,6 @@ def load_guard(
     each request weighed by the prefill it brings: this replica's requests as they are, the other replicas' as
     they last published them."""
     keys = REGISTRY.affinity if affinity is None else affinity
-    now = time.monotonic()
     loads = [c.load.own(now) + c.load.others + c.load.waiting for c in candidates]
     # Only an engine with work in hand now is guarded: a lone conversation's quick turns on an idle fleet
     # stay with their prefix, however many were sent lately. All are judged before any is marked, so `spare`
@@ -65,22 +65,21 @@ def load_guard(
         candidate.guarded = True
 
 
-def over_their_share(candidates: Sequence[Candidate], ratio: float) -> list[bool]:
+def over_their_share(candidates: Sequence[Candidate], ratio: float, now: float) -> list[bool]:
     """Which candidates were sent more than `ratio` times the mean over the last half minute (served(), plus
     one request of slack): where more than a fair share of the long-lived sessions live."""
-    now = time.monotonic()
     return above_the_mean([c.load.served(now) for c in candidates], ratio)
 
 
 def spread_new_session(
-    candidates: list[Candidate], ratio: float, affinity: Sequence[str] | None = None
+    candidates: list[Candidate], ratio: float, affinity: Sequence[str] | None = None, *, now: float
 ) -> None:
     """A session's first request decides where its later turns live, so it does not go to an engine over its
     share (over_their_share) for the sake of a prefix: such an engine loses its affinity scores for it (the
     session score is nothing yet). What a new session shares with others is a system prompt, which costs one
     prefill to copy; sessions piled on the engines that held it first cost for as long as they live."""
     keys = REGISTRY.affinity if affinity is None else affinity
-    for candidate, over in zip(candidates, over_their_share(candidates, ratio), strict=True):
+    for candidate, over in zip(candidates, over_their_share(candidates, ratio, now), strict=True):
         if over:
             for key in keys:
                 candidate.scores[key] = 0.0
@@ -102,7 +101,7 @@ def session_engine_if_soonest(
         if candidate.endpoint.id != ctx.session_endpoint:
             return False
         at = candidates.index(candidate)
-        if over_their_share(candidates, ratio)[at]:
+        if over_their_share(candidates, ratio, ctx.now)[at]:
             return False
         ahead = prefill_ahead(ctx, candidates, block_size)
         return ahead[at] <= min(ahead) + PREFILL_TIE_TOKENS
@@ -124,9 +123,12 @@ def new_session_spread(choice: Choice) -> None:
     """A session's first request (a session id, no engine yet): spread_new_session."""
     ctx = choice.ctx
     if ctx.session_endpoint is None and ctx.session_id:
-        spread_new_session(choice.candidates, choice.deployment.policy.load_guard_ratio, choice.affinity)
+        spread_new_session(
+            choice.candidates, choice.deployment.policy.load_guard_ratio, choice.affinity, now=ctx.now
+        )
 
 
 def guard(choice: Choice) -> None:
     """The load guard (load_guard), sparing what an earlier step said to spare."""
-    load_guard(choice.candidates, choice.deployment.policy.load_guard_ratio, choice.spare, choice.affinity)
+    policy = choice.deployment.policy
+    load_guard(choice.candidates, policy.load_guard_ratio, choice.spare, choice.affinity, now=choice.ctx.now)

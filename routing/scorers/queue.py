@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 QUEUE_DEPTH_SCALE = 4
 
 
@@ -26,7 +24,7 @@ class PrefillBacklogScorer:
     requests; this counts the work in front of this one."""
 
     def score(self, ctx, candidates, policy):
-        now = time.monotonic()
+        now = ctx.now
         backlogs = [c.load.prefill_left(now) + c.load.others_prefill for c in candidates]
         scale = max(max(backlogs), ctx.prompt_tokens_estimate, 1)
         return [1.0 - b / scale for b in backlogs]

@@ -147,13 +147,11 @@ def test_the_routing_goes_through_the_platforms_pipeline():
 
 
 def test_the_pipeline_reads_the_virtual_clock():
-    import routing.picker
-
     seen = []
 
     class Clocked:
         def score(self, ctx, candidates, policy):
-            seen.append(routing.picker.time.monotonic())
+            seen.append(ctx.now)
             return [0.0] * len(candidates)
 
     from routing.pipeline import Pipeline
@@ -164,9 +162,16 @@ def test_the_pipeline_reads_the_virtual_clock():
     rows = made_up(5, gap_s=7.0)
     Simulation(rows, 2, FAST, "clocked", pipeline=Pipeline(registry)).run()
     assert seen == [r.arrival_s for r in rows]
-    import time
 
-    assert routing.picker.time is time  # restored after the run
+
+def test_no_routing_module_reads_the_time_during_a_pick():
+    """Every plugin of a pick reads ctx.now, which the pipeline sets from its clock: none imports `time`."""
+    import routing.picker
+    import routing.scorers.queue
+    import routing.steps
+
+    for module in (routing.picker, routing.steps, routing.scorers.queue):
+        assert not hasattr(module, "time"), module.__name__
 
 
 def test_round_robin_spreads_evenly():

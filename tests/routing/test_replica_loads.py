@@ -125,8 +125,8 @@ def test_the_guard_drops_affinity_for_an_engine_other_replicas_keep_busy():
     endpoints = [EndpointInfo(i, f"e{i}", f"http://e{i}", "both", 1) for i in range(2)]
     holder, idle = Candidate(endpoints[0], EndpointLoad()), Candidate(endpoints[1], EndpointLoad())
     holder.scores = {"prefix": 1.0, "session": 1.0}
-    load_guard([holder, idle], 1.3)
+    load_guard([holder, idle], 1.3, now=time.monotonic())
     assert not holder.guarded  # this replica sent it nothing: no reason to move
     holder.load.others, holder.load.others_active = 6.0, 6
-    load_guard([holder, idle], 1.3)
+    load_guard([holder, idle], 1.3, now=time.monotonic())
     assert holder.guarded and holder.scores["prefix"] == 0.0
