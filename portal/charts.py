@@ -7,8 +7,9 @@ the step (an hour's row is divided by 60), so that they read against a per-minut
 the period, so that it reads against a budget.
 
 A team's page charts its requests' TTFT and inter-token latency, p50 and p90; a deployment's, its own and each
-pool's (the requests its engines streamed, against the pool's autoscaling objectives). Percentiles come from the
-series' histograms added up per step (tenants/usage_series.py).
+pool's (the requests its engines streamed, against the pool's autoscaling objectives), with each pool's requests,
+errors and tokens per minute and its spend beside the deployment's. Percentiles come from the series' histograms
+added up per step (tenants/usage_series.py).
 
 The answer: `t`, the steps' starts (seconds since the epoch), and `charts`, each with its `series`, each with a
 value per step (`values`) and a unit the browser formats (per_min, tokens_per_min, ms, ratio, replicas,
@@ -119,7 +120,7 @@ def _quantiles(rows, window: Window, name: str, q: float) -> list[float | None]:
     return out
 
 
-def _cumulative_cost(rows, window: Window) -> list[dict]:
+def _cumulative_cost(rows, window: Window, key: str = "spend", label: str = "Spend") -> list[dict]:
     """Spend from the period's start, one series per currency."""
     per_currency: dict[str, dict] = defaultdict(dict)
     for row in rows:
@@ -130,7 +131,7 @@ def _cumulative_cost(rows, window: Window) -> list[dict]:
         for at in window.starts:
             total += costs.get(at, 0)
             values.append(round(float(total), 6))
-        series.append(_series(f"spend_{currency}", f"Spend ({currency})", f"money:{currency}", values))
+        series.append(_series(f"{key}_{currency}", f"{label} ({currency})", f"money:{currency}", values))
     return series
 
 
@@ -143,34 +144,38 @@ def _sums(qs, window: Window, *extra: str):
     )
 
 
-def _traffic_charts(rows, cost_rows, window: Window, *, limits: Quota | None = None) -> list[dict]:
-    """Requests and errors, tokens and spend: what every scope charts."""
-    requests = _series("requests", "Requests", "per_min", _rate(rows, window, "requests"))
-    errors = [
-        _series(kind, label, "per_min", _rate(rows, window, kind))
-        for kind, label in (
-            ("failed", "Failed"),
-            ("cancelled", "Cancelled"),
-            ("rejected", "Rejected (queue)"),
-        )
-    ]
+REQUESTS = (
+    ("requests", "Requests"),
+    ("failed", "Failed"),
+    ("cancelled", "Cancelled"),
+    ("rejected", "Rejected (queue)"),
+)
+
+
+def _request_series(rows, window: Window, kinds=REQUESTS) -> list[dict]:
+    return [_series(kind, label, "per_min", _rate(rows, window, kind)) for kind, label in kinds]
+
+
+def _token_series(rows, window: Window) -> list[dict]:
     prompt = _rate(rows, window, "prompt_tokens")
     cached = _rate(rows, window, "cached_prompt_tokens")
-    tokens = [
-        _series(
-            "input",
-            "Input (fresh)",
-            "tokens_per_min",
-            [round(p - c, 3) for p, c in zip(prompt, cached, strict=True)],
-        ),
+    fresh = [round(p - c, 3) for p, c in zip(prompt, cached, strict=True)]
+    return [
+        _series("input", "Input (fresh)", "tokens_per_min", fresh),
         _series("cached", "Input (cached)", "tokens_per_min", cached),
         _series("output", "Output", "tokens_per_min", _rate(rows, window, "output_tokens")),
     ]
+
+
+def _traffic_charts(rows, cost_rows, window: Window, *, limits: Quota | None = None) -> list[dict]:
+    """Requests and errors, tokens and spend: what every scope charts."""
+    requests = _request_series(rows, window)
+    tokens = _token_series(rows, window)
     spend = _cumulative_cost(cost_rows, window)
     if limits is not None:
         n = len(window.starts)
         for field, label, unit, target in (
-            ("requests_per_minute", "Quota: requests/min", "per_min", errors),
+            ("requests_per_minute", "Quota: requests/min", "per_min", requests),
             ("input_tokens_per_minute", "Quota: input tokens/min", "tokens_per_min", tokens),
             ("output_tokens_per_minute", "Quota: output tokens/min", "tokens_per_min", tokens),
         ):
@@ -188,7 +193,7 @@ def _traffic_charts(rows, cost_rows, window: Window, *, limits: Quota | None = N
                 )
             )
     return [
-        _chart("traffic", "Requests and errors per minute", [requests, *errors]),
+        _chart("traffic", "Requests and errors per minute", requests),
         _chart("tokens", "Tokens per minute", tokens),
         _chart("spend", "Spend over the period", spend),
     ]
@@ -307,10 +312,10 @@ def _latency_chart(key: str, title: str, rows, window: Window, name: str, object
 def _pool_latency_chart(name: str, rows, window: Window, policy: AutoscalingPolicy | None) -> dict:
     """The TTFT and ITL of the requests a pool's engines served, against its autoscaling policy's objectives."""
     series = [
-        _series("ttft_p50", "TTFT p50", "ms", _quantiles(rows, window, "ttft_ms", 0.5)),
-        _series("ttft_p90", "TTFT p90", "ms", _quantiles(rows, window, "ttft_ms", 0.9)),
-        _series("itl_p50", "ITL p50", "ms", _quantiles(rows, window, "itl_ms", 0.5)),
-        _series("itl_p90", "ITL p90", "ms", _quantiles(rows, window, "itl_ms", 0.9)),
+        _series("ttft_p50", "TTFT p50", "ms", _quantiles(rows, window, "ttft", 0.5)),
+        _series("ttft_p90", "TTFT p90", "ms", _quantiles(rows, window, "ttft", 0.9)),
+        _series("itl_p50", "ITL p50", "ms", _quantiles(rows, window, "itl", 0.5)),
+        _series("itl_p90", "ITL p90", "ms", _quantiles(rows, window, "itl", 0.9)),
     ]
     for key, label, field in (
         ("ttft_objective", "TTFT objective (p90)", "ttft_p90_s"),
@@ -322,9 +327,17 @@ def _pool_latency_chart(name: str, rows, window: Window, policy: AutoscalingPoli
     return _chart(f"pool_{name}_latency", f"Pool {name}: latency of the requests its engines served", series)
 
 
+def _pool_traffic_chart(name: str, rows, window: Window) -> dict:
+    """The requests a pool's engines served and their tokens, per minute (requests on the left axis, tokens on
+    the right). None is rejected: a rejected request reached no engine."""
+    series = [*_request_series(rows, window, REQUESTS[:3]), *_token_series(rows, window)]
+    return _chart(f"pool_{name}_traffic", f"Pool {name}: requests and tokens per minute", series)
+
+
 def deployment_history(*, deployment: ModelDeployment, period: str, now: datetime) -> dict:
-    """One deployment: traffic, tokens, latency against its objectives, cache hits, queueing, replicas against
-    the autoscaler's signals per pool, spend."""
+    """One deployment: traffic, tokens, latency against its objectives, cache hits, queueing; per pool, replicas
+    against the autoscaler's signals and the traffic and latency of the requests its engines served; spend, the
+    deployment's and each pool's."""
     window = window_for(period, now)
     ledger = DeploymentUsageSeries.objects.filter(deployment_id=deployment.pk)
     rows = list(_sums(ledger, window).annotate(ttft=HistogramSum("ttft_ms"), itl=HistogramSum("itl_ms")))
@@ -365,12 +378,13 @@ def deployment_history(*, deployment: ModelDeployment, period: str, now: datetim
         _chart("cache", "Prefix cache", _cache_series(rows, window, [deployment.pk])),
         _chart("queueing", "Queueing", queue_series),
     ]
+    spend = next(c for c in charts if c["id"] == "spend")
     targets = {p.pool_id: p for p in policies}
-    latencies = list(
-        PoolUsageSeries.objects.filter(
-            step_s=window.step_s, start__gte=window.first, start__lt=window.end, pool_id__in=list(pools)
-        ).values("start", "pool_id", "ttft_ms", "itl_ms")
+    served_qs = PoolUsageSeries.objects.filter(pool_id__in=list(pools))
+    served_rows = list(
+        _sums(served_qs, window, "pool_id").annotate(ttft=HistogramSum("ttft_ms"), itl=HistogramSum("itl_ms"))
     )
+    served_cost = list(_sums(served_qs, window, "pool_id", "currency").annotate(cost=Sum("cost")))
     for pool_id, pool in pools.items():
         mine = [r for r in pool_rows if r["pool_id"] == pool_id]
         series = [
@@ -391,8 +405,11 @@ def deployment_history(*, deployment: ModelDeployment, period: str, now: datetim
         charts.insert(-1, _chart(f"pool_{pool.name}", title, series))
         # The ledger names the engine that streamed a request: a P/D deployment's decode engine, never its prefill.
         if pool.role != PoolRole.PREFILL:
-            served = [r for r in latencies if r["pool_id"] == pool_id]
+            served = [r for r in served_rows if r["pool_id"] == pool_id]
+            charts.insert(-1, _pool_traffic_chart(pool.name, served, window))
             charts.insert(-1, _pool_latency_chart(pool.name, served, window, targets.get(pool_id)))
+            cost = [r for r in served_cost if r["pool_id"] == pool_id]
+            spend["series"] += _cumulative_cost(cost, window, f"spend_pool_{pool.name}", f"Pool {pool.name}")
     return _answer(window, "deployment", deployment.pk, charts)
 
 

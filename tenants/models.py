@@ -827,24 +827,22 @@ class DeploymentUsageSeries(UsageSeries, LatencyHistograms):
         return f"{self.start:%Y-%m-%d %H:%M} +{self.step_s}s deployment {self.deployment_id}"
 
 
-class PoolUsageSeries(LatencyHistograms):
-    """Per step and pool, the requests its engines served and their latencies, for the pool's charts.
+class PoolUsageSeries(UsageSeries, LatencyHistograms):
+    """Per step, pool and currency, the requests its engines served: their counts, tokens, cost and latencies.
 
     A record is the pool's when the engine it names (`UsageRecord.endpoint`, the engine's URL) is still one of the
     pool's endpoints when the roll-up reads it, seconds later; a record of an engine already gone is in no pool's
-    row (it stays in its deployment's and team's). `pool_id` is kept without a key: the rows outlive the pool
-    until they are pruned, like the deployment series'.
+    row (it stays in its deployment's and team's), nor is one that reached no engine (a rejected request, say).
+    `pool_id` is kept without a key: the rows outlive the pool until they are pruned, like the deployment
+    series'.
     """
 
-    step_s = models.PositiveIntegerField()
-    start = models.DateTimeField()
     pool_id = models.BigIntegerField()
-    requests = models.BigIntegerField(default=0)
 
     class Meta:
         constraints = [
             models.UniqueConstraint(
-                fields=["step_s", "start", "pool_id"], name="pool_usage_series_one_row_per_step"
+                fields=["step_s", "start", "pool_id", "currency"], name="pool_series_one_row_per_group"
             ),
         ]
 

@@ -10,9 +10,10 @@ Latencies are histograms (lists of counts per bucket of milliseconds), summed by
 0011 (`history_histogram`, `history_histogram_add`, `history_histogram_sum`), so that p50 and p90 hold for any
 sum of rows: a deployment's classes, the fleet's deployments, a step of an hour. Bucket 0 holds 0 ms up to
 1 ms; bucket i >= 1 holds [2^((i-1)/3), 2^(i/3)) ms (26 % wide), and a percentile is interpolated inside its
-bucket. Teams, deployments and pools each keep TTFT and inter-token latency (ITL: a request's time after its
-first token over its other tokens); deployments also keep the wait in a router's queue. A pool's rows count the
-records of its engines (PoolUsageSeries says how a record finds its pool).
+bucket. Teams, deployments and pools each keep the same counts (requests, errors by kind, input, cached and
+output tokens, cost per currency) and TTFT and inter-token latency (ITL: a request's time after its first token
+over its other tokens); deployments also keep the wait in a router's queue. A pool's rows count the records of
+its engines (PoolUsageSeries says how a record finds its pool).
 """
 
 from __future__ import annotations
@@ -129,13 +130,12 @@ def _pool_sql(step_s: int) -> str:
     """A record's pool is that of the endpoint whose URL it names, if that endpoint is still there."""
     table = PoolUsageSeries._meta.db_table
     return f"""
-INSERT INTO {table} AS t (step_s, start, pool_id, requests, ttft_ms, itl_ms)
-SELECT {step_s}, {_minute_or_hour(step_s)}, pool_id, count(*), {_LATENCIES}
+INSERT INTO {table} AS t (step_s, start, pool_id, currency, {_COLUMNS}, ttft_ms, itl_ms)
+SELECT {step_s}, {_minute_or_hour(step_s)}, pool_id, currency, {_COUNTS}, {_LATENCIES}
 FROM (SELECT r.*, e.pool_id FROM {UsageRecord._meta.db_table} r JOIN {Endpoint._meta.db_table} e ON e.url = r.endpoint
       WHERE r.id > %s AND r.id <= %s AND r.endpoint <> '') AS r
-GROUP BY 2, 3
-ON CONFLICT ON CONSTRAINT pool_usage_series_one_row_per_step DO UPDATE SET requests = t.requests + EXCLUDED.requests,
-    {_ADD_LATENCIES}
+GROUP BY 2, 3, 4
+ON CONFLICT ON CONSTRAINT pool_series_one_row_per_group DO UPDATE SET {_ADD_COUNTS}, {_ADD_LATENCIES}
 """
 
 

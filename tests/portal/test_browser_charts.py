@@ -148,7 +148,8 @@ def test_every_page_charts_a_day_of_traffic(world, server, page):  # noqa: F811
     page.goto(f"{server}/portal/deployments/{world.deployment.pk}/")
     charts = charts_on(page)
     assert list(charts) == [
-        "traffic", "tokens", "ttft", "itl", "cache", "queueing", "pool_main", "pool_main_latency", "spend",
+        "traffic", "tokens", "ttft", "itl", "cache", "queueing", "pool_main", "pool_main_traffic",
+        "pool_main_latency", "spend",
     ]  # fmt: skip
     assert charts["ttft"]["series"] == [
         "Time to first token p50",
@@ -165,6 +166,12 @@ def test_every_page_charts_a_day_of_traffic(world, server, page):  # noqa: F811
     assert charts["pool_main"]["series"] == [
         "Replicas wanted", "Engines ready", "Requests running", "Requests waiting", "KV-cache use (mean)",
     ]  # fmt: skip
+    # The pool's own requests and tokens: its engines served every request, so the deployment's counts.
+    assert charts["pool_main_traffic"]["series"] == [
+        "Requests", "Failed", "Cancelled", "Input (fresh)", "Input (cached)", "Output",
+    ]  # fmt: skip
+    assert charts["pool_main_traffic"]["filled"][0] == charts["traffic"]["filled"][0]
+    assert charts["spend"]["series"] == ["Spend (USD)", "Pool main (USD)"]
     # The pool's own TTFT and ITL (its engines served every request), against its policy's objectives.
     assert charts["pool_main_latency"]["series"] == [
         "TTFT p50", "TTFT p90", "ITL p50", "ITL p90", "TTFT objective (p90)", "ITL objective (p90)",

@@ -179,7 +179,8 @@ def test_each_period_has_a_point_per_step_ending_now(world, period, points, step
     assert data["t"][-1] <= time.time() < data["t"][-1] + step
     charts = {c["id"]: c for c in data["charts"]}
     assert list(charts) == [
-        "traffic", "tokens", "ttft", "itl", "cache", "queueing", "pool_main", "pool_main_latency", "spend",
+        "traffic", "tokens", "ttft", "itl", "cache", "queueing", "pool_main", "pool_main_traffic",
+        "pool_main_latency", "spend",
     ]  # fmt: skip
     for chart in charts.values():
         assert all(len(s["values"]) == points for s in chart["series"])

@@ -1,19 +1,22 @@
 """TTFT and ITL p50/p90 over time per team and per pool: the roll-up's histograms read back through the history
 API agree with the percentiles of the records themselves, per minute and per hour, and only whoever may see the
-team's page (a team) or the deployments (its pools) gets them."""
+team's page (a team) or the deployments (its pools) gets them. A pool's requests, errors, tokens and cost are the
+sums of its engines' records, in its rows and on its deployment's charts."""
 
 from __future__ import annotations
 
 import math
 import random
+from collections import Counter
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 
 import pytest
 from django.test import Client
 
 from serving.models import AutoscalingPolicy, Endpoint, Health, Pool
 from tenants.billing import usage_rollup, usage_rollup_rebuild
-from tenants.models import PoolUsageSeries, TeamUsageSeries
+from tenants.models import PoolUsageSeries, TeamUsageSeries, UsageRecord
 from tenants.usage_series import bucket_bounds
 
 from ..conftest import make_usage
@@ -86,7 +89,8 @@ def _traffic(world, hour_start: datetime) -> dict:
                 ttft = rng.randint(20, 400) * slow * pool_slow + rng.random()
                 output = rng.randint(2, 300)
                 latency = ttft + (output - 1) * rng.uniform(5, 60) * pool_slow
-                status = "failed" if rng.random() < 0.05 else "completed"
+                status = rng.choices(("completed", "failed", "cancelled"), (90, 5, 5))[0]
+                prompt = rng.randint(10, 5000)
                 n += 1
                 make_usage(
                     key,
@@ -94,7 +98,11 @@ def _traffic(world, hour_start: datetime) -> dict:
                     created_at=minute + timedelta(seconds=rng.randint(0, 59)),
                     deployment=world.deployment,
                     endpoint=url,
+                    prompt_tokens=prompt,
+                    cached_prompt_tokens=rng.randint(0, prompt),
                     output_tokens=output,
+                    cost=Decimal(rng.randint(1, 10**6)) / 10**8,
+                    currency=rng.choice(("USD", "USD", "EUR")),
                     ttft_ms=round(ttft),
                     latency_ms=round(latency),
                     status=status,
@@ -141,7 +149,10 @@ def test_team_and_pool_latency_percentiles_match_the_records(world, hour_start):
     for period, step in (("day", None), ("week", hour_start)):
         data = _get(world.operator, "deployment", world.deployment.pk, period)
         ids = [c["id"] for c in data["charts"]]
-        assert ids[-5:] == ["pool_decode", "pool_decode_latency", "pool_main", "pool_main_latency", "spend"]
+        assert ids[-7:] == [
+            "pool_decode", "pool_decode_traffic", "pool_decode_latency",
+            "pool_main", "pool_main_traffic", "pool_main_latency", "spend",
+        ]  # fmt: skip
         for name, pool in pools.items():
             chart = dict.fromkeys(("ttft", "itl"), f"pool_{name}_latency")
             for at, group in [(step, minutes)] if step else [(m, [m]) for m in minutes]:
@@ -164,12 +175,95 @@ def test_team_and_pool_latency_percentiles_match_the_records(world, hour_start):
     # A rebuild adds the ledger up again to the same rows.
     def rows() -> list:
         team = TeamUsageSeries.objects.order_by("step_s", "start", "team_id", "currency").values()
-        pool = PoolUsageSeries.objects.order_by("step_s", "start", "pool_id").values()
+        pool = PoolUsageSeries.objects.order_by("step_s", "start", "pool_id", "currency").values()
         return [{**r, "id": 0} for r in [*team, *pool]]
 
     before = rows()
     usage_rollup_rebuild()
     assert rows() == before
+
+
+COUNTS = (
+    "requests",
+    "failed",
+    "cancelled",
+    "rejected",
+    "prompt_tokens",
+    "cached_prompt_tokens",
+    "output_tokens",
+)
+
+
+def _pool_sums_from_the_ledger() -> dict:
+    """Per (step, start, pool, currency), the counts and cost of the records whose engine is one of the pool's,
+    added up in Python from the records themselves."""
+    pool_of = dict(Endpoint.objects.values_list("url", "pool_id"))
+    sums: dict = {}
+    for r in UsageRecord.objects.all():
+        if r.endpoint not in pool_of:
+            continue
+        for step_s in (60, 3600):
+            start = datetime.fromtimestamp(int(r.created_at.timestamp()) // step_s * step_s, UTC)
+            row = sums.setdefault((step_s, start, pool_of[r.endpoint], r.currency), Counter(cost=Decimal(0)))
+            row.update(
+                requests=1,
+                **{r.status: 1},
+                prompt_tokens=r.prompt_tokens,
+                cached_prompt_tokens=r.cached_prompt_tokens,
+                output_tokens=r.output_tokens,
+            )
+            row["cost"] += r.cost
+    return sums
+
+
+def test_pool_counts_and_cost_match_the_records(world, hour_start):
+    _traffic(world, hour_start)
+    usage_rollup()
+    expected = _pool_sums_from_the_ledger()
+    assert {k[3] for k in expected} == {"USD", "EUR"} and len({k[2] for k in expected}) == 2
+
+    # Each row of the pool series, minute and hour, is its records' sums: no record of the gone engine or of
+    # none, no rejected one, every status counted as itself.
+    rows = {
+        (r["step_s"], r["start"], r["pool_id"], r["currency"]): {name: r[name] for name in (*COUNTS, "cost")}
+        for r in PoolUsageSeries.objects.values()
+    }
+    assert rows == {k: {name: v[name] for name in (*COUNTS, "cost")} for k, v in expected.items()}
+    assert sum(v["failed"] for v in expected.values()) and sum(v["cancelled"] for v in expected.values())
+
+    # The deployment's page charts them per pool, all currencies together, per minute (a day) and per hour (a
+    # week, divided by 60); each pool's spend is in the spend chart per currency, from the period's start.
+    pools = {p.name: p.pk for p in world.deployment.pools.all()}
+    for period, step_s in (("day", 60), ("week", 3600)):
+        data = _get(world.operator, "deployment", world.deployment.pk, period)
+        for name, pool_id in pools.items():
+            chart = f"pool_{name}_traffic"
+            keys = [s["key"] for c in data["charts"] if c["id"] == chart for s in c["series"]]
+            assert keys == ["requests", "failed", "cancelled", "input", "cached", "output"]
+            starts = sorted({k[1] for k in expected if k[0] == step_s and k[2] == pool_id})
+            for at in starts:
+                total = Counter()
+                for k, v in expected.items():
+                    if k[:3] == (step_s, at, pool_id):
+                        total.update({name: v[name] for name in COUNTS})
+                per_min = 60 / step_s
+                for key, value in (
+                    ("requests", total["requests"]),
+                    ("failed", total["failed"]),
+                    ("cancelled", total["cancelled"]),
+                    ("input", total["prompt_tokens"] - total["cached_prompt_tokens"]),
+                    ("cached", total["cached_prompt_tokens"]),
+                    ("output", total["output_tokens"]),
+                ):
+                    assert _at(data, chart, key, at) == pytest.approx(value * per_min, abs=0.002), (key, at)
+            spend = {
+                s["key"]: s["values"][-1] for c in data["charts"] if c["id"] == "spend" for s in c["series"]
+            }
+            for currency in ("USD", "EUR"):
+                mine = [
+                    v["cost"] for k, v in expected.items() if k[0] == step_s and k[2:] == (pool_id, currency)
+                ]
+                assert spend[f"spend_pool_{name}_{currency}"] == pytest.approx(float(sum(mine)), abs=1e-6)
 
 
 def test_who_sees_team_and_pool_latency(world, hour_start):
