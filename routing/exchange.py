@@ -431,7 +431,8 @@ class Exchange:
             return await respond(self.send, 502, error, self._error_headers())
         self.usage = dialect.usage_from_tail(body)
         if tracing.ON:
-            tracing.saw(body[-65536:])
+            tracing.saw(body[: tracing.HEAD_BYTES])  # its id and model
+            tracing.saw(body[-65536:])  # how it ended
         self.status = "completed"
         await self.settle()
         await respond(self.send, resp.status, body, self._response_headers(resp))

@@ -41,6 +41,12 @@ _current: ContextVar = ContextVar("router_trace", default=None)  # the request's
 OPERATIONS = {"/v1/completions": "text_completion"}  # every other generation route is a chat
 # The reasons an answer ended, as the engines write them: OpenAI's `finish_reason`, Anthropic's `stop_reason`.
 FINISH_REASON = re.compile(rb'"(?:finish|stop)_reason"\s*:\s*"([A-Za-z_]+)"')
+# The answer's id and model, in its first event or at the top of its JSON (OpenAI's chunk, Anthropic's
+# message_start, Responses' response.created): the first `"id"` and `"model"` keys (a string in the JSON cannot
+# hold them, its quotes being escaped there).
+RESPONSE_ID = re.compile(rb'"id"\s*:\s*"([^"\\]{1,200})"')
+RESPONSE_MODEL = re.compile(rb'"model"\s*:\s*"([^"\\]{1,200})"')
+HEAD_BYTES = 4096
 # Request fields recorded as the GenAI conventions name them.
 REQUEST_FIELDS = (
     ("max_tokens", "gen_ai.request.max_tokens"),
@@ -119,6 +125,8 @@ class RequestTrace:
         self.recording = root.is_recording()
         self.operation = OPERATIONS.get(path, "chat")
         self.finish_reasons: list[str] = []
+        self.response_id: str | None = None  # gen_ai.response.id and .model, from the answer's head
+        self.response_model: str | None = None
         self.attempt = None  # the engine attempt's span, while it runs
         self.attempt_started = 0
         self.tokens = None  # what `end` resets
@@ -277,10 +285,18 @@ def first_token() -> None:
 
 
 def saw(data: bytes) -> None:
-    """Answer bytes on their way to the client: the reasons its choices ended."""
+    """Answer bytes on their way to the client: its id and model (from its head), the reasons its choices
+    ended."""
     request = _current.get()
     if request is None or not request.recording:
         return
+    if request.response_id is None:
+        head = data[:HEAD_BYTES]
+        found, model = RESPONSE_ID.search(head), RESPONSE_MODEL.search(head)
+        if found is not None:
+            request.response_id = found.group(1).decode(errors="replace")
+        if model is not None:
+            request.response_model = model.group(1).decode(errors="replace")
     for match in FINISH_REASON.finditer(data):
         reason = match.group(1).decode()
         if reason not in request.finish_reasons:
@@ -301,6 +317,10 @@ def settled(exchange: Exchange) -> None:
         root.set_attribute("router.endpoint", exchange.endpoint_name)
     if request.finish_reasons:
         root.set_attribute("gen_ai.response.finish_reasons", request.finish_reasons)
+    if request.response_id is not None:
+        root.set_attribute("gen_ai.response.id", request.response_id)
+    if request.response_model is not None:
+        root.set_attribute("gen_ai.response.model", request.response_model)
     if exchange.status == "failed":
         _error(root, "failed")
 

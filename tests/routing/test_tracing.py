@@ -181,6 +181,7 @@ def test_it_traces_a_request_through_the_router_into_the_engine(transactional_db
     assert got["gen_ai.usage.output_tokens"] == event.output_tokens > 0
     assert got["gen_ai.usage.cache_read.input_tokens"] == event.cached_prompt_tokens
     assert got["gen_ai.response.finish_reasons"] in (["length"], ["stop"])
+    assert got["gen_ai.response.id"].startswith("chatcmpl-") and got["gen_ai.response.model"] == MODEL_NAME
     assert got["http.response.status_code"] == 200
     assert got["router.request_id"] == response.headers["x-request-id"]
     assert got["router.stream"] is stream
@@ -282,7 +283,9 @@ def test_it_names_each_route_s_operation_and_reads_its_dialect_s_finish_reason(
         )
         assert got["gen_ai.request.max_tokens"] == 3
     (root,) = [s for s in traces[0][f"chat {MODEL_NAME}"] if s.kind == Span.SPAN_KIND_SERVER]
-    assert attributes(root)["gen_ai.response.finish_reasons"] == ["max_tokens"]  # Anthropic's stop_reason
+    got = attributes(root)
+    assert got["gen_ai.response.finish_reasons"] == ["max_tokens"]  # Anthropic's stop_reason
+    assert got["gen_ai.response.id"] and got["gen_ai.response.model"] == MODEL_NAME
 
 
 def test_vllm_engines_export_their_spans_where_the_settings_say(settings):
