@@ -18,11 +18,13 @@ what the same agents got through with no think time over `--calibrate` seconds b
 instead). The calibration is also the warm-up of every cache; the soak's windows start after it.
 
 At each window's end it reads:
-- RSS and CPU time of the router (its process and its tokenizing workers), the ingester and the Celery worker (the
-  worker's process alone: the engines it supervises are its children, measured apart); CPU per request is the
-  window's CPU over the requests that ended in it;
-- Redis's used memory, and of it the bytes of the token-id pieces routers share (`tok:*`, which live
-  ROUTER_SHARED_TOKENS_TTL_SECONDS after their last use, six hours by default);
+- memory (RSS, and USS and PSS: what a process holds alone, and its share of what it shares) and CPU time of the
+  router's process, of its tokenizing worker processes (together), of the ingester and of the Celery worker (its
+  process alone: the engines it supervises are its children, measured apart); CPU per request is the window's CPU
+  over the requests that ended in it;
+- Redis's used memory, and of it the token-id pieces routers share (`tok:*`, which live
+  ROUTER_SHARED_TOKENS_TTL_SECONDS after their last use, six hours by default): their payload (the ids' bytes) and
+  their keys' overhead (Redis's MEMORY USAGE of each key less its payload);
 - the prefix index's size (its GPU and CPU entries, `px:*`, speculative ones left out) against the engines' cached
   blocks, which only the engines' own KV events tell (vLLM exports no such metric): a subscriber of its own in this
   process, apart from the ingester, keeps each engine's set of blocks from its BlockStored, BlockRemoved and
@@ -32,9 +34,14 @@ At each window's end it reads:
 - errors: requests not answered 200 with a streamed answer, and ledger rows not `completed`; at the end, requests
   with no ledger row (usage lost) count as errors too.
 
-Targets: every process's RSS (and Redis's memory less the shared token pieces) in the last window within 10 % of
-the second's; no error; the index within 5 % of the engines at every window's end. With `--json PATH` the windows
+Targets: every process's USS (and Redis's memory less the shared token pieces' keys, payload and overhead) in the
+last window within 10 % of the second's; no error; the index within 5 % of the engines at every window's end. With `--json PATH` the windows
 and the verdict are written there too; the exit status is 0 whatever the verdict (the table says it).
+
+With `--trace-memory` the router runs under tracemalloc (bench/memwatch/sitecustomize.py: no change to its code),
+and the report adds what Python's allocators hold in it, the source lines that grew after warm-up, and what each of
+its bounded caches holds against its bound. Tracing costs the router CPU: its CPU per request is not comparable
+with an untraced run.
 """
 
 from __future__ import annotations
@@ -165,26 +172,29 @@ def index_entries(client, deployment_id: int) -> dict[int, int]:
     return out
 
 
-def shared_token_bytes(client) -> tuple[int, int]:
-    """(how many `tok:*` pieces, their bytes)."""
-    keys = bytes_ = 0
+def shared_token_bytes(client) -> tuple[int, int, int]:
+    """(how many `tok:*` pieces, their payload bytes, Redis's memory for them with their keys' overhead)."""
+    keys = payload = memory = 0
     batch: list[bytes] = []
 
-    def add(items: list[bytes]) -> int:
+    def add(items: list[bytes]) -> tuple[int, int]:
         with client.pipeline(transaction=False) as pipe:
             for key in items:
                 pipe.strlen(key)
-            return sum(pipe.execute())
+                pipe.memory_usage(key, samples=0)
+            replies = pipe.execute()
+        return sum(replies[0::2]), sum(r or 0 for r in replies[1::2])
 
     for key in client.scan_iter(match="tok:*", count=2000):
         batch.append(key)
         keys += 1
         if len(batch) >= 1000:
-            bytes_ += add(batch)
-            batch = []
+            got, held = add(batch)
+            payload, memory, batch = payload + got, memory + held, []
     if batch:
-        bytes_ += add(batch)
-    return keys, bytes_
+        got, held = add(batch)
+        payload, memory = payload + got, memory + held
+    return keys, payload, memory
 
 
 # --- the ledger, as it fills ------------------------------------------------------------------------------
@@ -234,27 +244,47 @@ class Ledger(threading.Thread):
 # --- the platform's processes, measured -------------------------------------------------------------------
 
 
+@dataclass
+class Memory:
+    """A part's memory in bytes: RSS, USS (its own pages) and PSS (its own plus its share of shared ones)."""
+
+    rss: int = 0
+    uss: int = 0
+    pss: int = 0
+
+
 class Measured:
-    """RSS and CPU seconds of a process, with its descendants (`tree`) or alone."""
+    """Memory and CPU seconds of a process (`name`) and, when `children` names them, of its descendants together
+    as a part of their own."""
 
-    def __init__(self, name: str, pid: int, tree: bool):
-        self.name, self.pid, self.tree = name, pid, tree
+    def __init__(self, name: str, pid: int, children: str | None = None):
+        self.name, self.pid, self.children = name, pid, children
 
-    def read(self) -> tuple[int, float]:
+    @property
+    def parts(self) -> list[str]:
+        return [self.name, *([self.children] if self.children else [])]
+
+    def read(self) -> tuple[dict[str, Memory], dict[str, float]]:
         import psutil
 
+        memory = {part: Memory() for part in self.parts}
+        cpu = dict.fromkeys(self.parts, 0.0)
         try:
             root = psutil.Process(self.pid)
-            procs = [root, *(root.children(recursive=True) if self.tree else [])]
+            procs = [(self.name, root)]
+            if self.children:
+                procs += [(self.children, child) for child in root.children(recursive=True)]
         except psutil.Error:
-            return 0, 0.0
-        rss = cpu = 0
-        for p in procs:
+            return memory, cpu
+        for part, proc in procs:
             with contextlib.suppress(psutil.Error):
-                rss += p.memory_info().rss
-                t = p.cpu_times()
-                cpu += t.user + t.system
-        return rss, cpu
+                info = proc.memory_full_info()
+                memory[part].rss += info.rss
+                memory[part].uss += info.uss
+                memory[part].pss += getattr(info, "pss", 0)
+                t = proc.cpu_times()
+                cpu[part] += t.user + t.system
+        return memory, cpu
 
 
 @dataclass
@@ -262,11 +292,12 @@ class Sample:
     """What was read at a window's end (t: seconds from the soak's start)."""
 
     t: float
-    rss: dict[str, int]
+    memory: dict[str, Memory]
     cpu: dict[str, float]
     redis_used: int
     tok_keys: int
-    tok_bytes: int
+    tok_bytes: int  # the pieces' payload
+    tok_memory: int  # Redis's memory for the pieces, their keys' overhead included
     index: int
     engines: float
     stream_len: int
@@ -280,10 +311,13 @@ class Window:
     requests: int
     errors: int
     rss_mb: dict[str, float]
+    uss_mb: dict[str, float]
+    pss_mb: dict[str, float]
     cpu_ms: dict[str, float]  # per request
     redis_mb: float
-    redis_less_tok_mb: float
-    tok_mb: float
+    redis_less_tok_mb: float  # less the pieces' keys, payload and overhead
+    tok_mb: float  # the pieces' payload
+    tok_overhead_mb: float  # their keys' overhead
     index_blocks: int
     engine_blocks: float
     lag_p50: float
@@ -297,25 +331,28 @@ class Window:
         return self.index_blocks / self.engine_blocks if self.engine_blocks else float("nan")
 
 
-PROCS = ("router", "ingester", "worker")
+PROCS = ("router", "router workers", "ingester", "worker")
 
 
 def sample(t: float, measured: list[Measured], client, deployment_id: int, blocks: EngineBlocks) -> Sample:
-    rss, cpu = {}, {}
+    memory, cpu = {}, {}
     for m in measured:
-        rss[m.name], cpu[m.name] = m.read()
+        got, spent = m.read()
+        memory.update(got)
+        cpu.update(spent)
     before = sum(blocks.counts().values())
     index = sum(index_entries(client, deployment_id).values())
     after = sum(blocks.counts().values())
     used = int(client.info("memory")["used_memory"])
-    tok_keys, tok_bytes = shared_token_bytes(client)
+    tok_keys, tok_bytes, tok_memory = shared_token_bytes(client)
     from django.conf import settings
 
     try:
         stream_len = int(client.xlen(settings.USAGE_STREAM))
     except Exception:  # noqa: BLE001 - no stream yet
         stream_len = 0
-    return Sample(t, rss, cpu, used, tok_keys, tok_bytes, index, (before + after) / 2, stream_len)
+    engines = (before + after) / 2
+    return Sample(t, memory, cpu, used, tok_keys, tok_bytes, tok_memory, index, engines, stream_len)
 
 
 # --- windows and targets (pure) ---------------------------------------------------------------------------
@@ -353,11 +390,14 @@ def windows(
                 end=s1.t,
                 requests=n,
                 errors=sum(not ok for ok in done) + bad_rows,
-                rss_mb={p: v / 2**20 for p, v in s1.rss.items()},
+                rss_mb={p: m.rss / 2**20 for p, m in s1.memory.items()},
+                uss_mb={p: m.uss / 2**20 for p, m in s1.memory.items()},
+                pss_mb={p: m.pss / 2**20 for p, m in s1.memory.items()},
                 cpu_ms=cpu,
                 redis_mb=s1.redis_used / 2**20,
-                redis_less_tok_mb=(s1.redis_used - s1.tok_bytes) / 2**20,
+                redis_less_tok_mb=(s1.redis_used - s1.tok_memory) / 2**20,
                 tok_mb=s1.tok_bytes / 2**20,
+                tok_overhead_mb=(s1.tok_memory - s1.tok_bytes) / 2**20,
                 index_blocks=s1.index,
                 engine_blocks=s1.engines,
                 lag_p50=pct(lags, 0.5),
@@ -389,7 +429,12 @@ class Verdict:
 
 
 def memory_series(rows: list[Window]) -> dict[str, list[tuple[float, float]]]:
-    series = {p: [(w.end, w.rss_mb[p]) for w in rows] for p in rows[0].rss_mb} if rows else {}
+    """What the memory targets judge: each process's USS (its RSS where USS could not be read), and Redis less the
+    shared token pieces."""
+    series = {}
+    for p in rows[0].rss_mb if rows else ():
+        uss = all(w.uss_mb[p] > 0 for w in rows)
+        series[p] = [(w.end, w.uss_mb[p] if uss else w.rss_mb[p]) for w in rows]
     if rows:
         series["Redis less token pieces"] = [(w.end, w.redis_less_tok_mb) for w in rows]
     return series
@@ -408,13 +453,11 @@ def verdicts(rows: list[Window], lost: int, errors: int | None = None) -> list[V
         second, last = series[1][1], series[-1][1]
         change = last / second - 1 if second else float("nan")
         slope = slope_per_hour(series[1:])
-        out.append(
-            Verdict(
-                f"{name} memory flat",
-                abs(change) <= FLAT,
-                f"{second:.1f} -> {last:.1f} MB ({change:+.1%}; slope after warm-up {slope:+.1f} MB/h)",
-            )
-        )
+        detail = f"{second:.1f} -> {last:.1f} MB ({change:+.1%}; slope after warm-up {slope:+.1f} MB/h)"
+        if name in rows[0].rss_mb:
+            rss = rows[1].rss_mb[name], rows[-1].rss_mb[name]
+            detail = f"USS {detail}; RSS {rss[0]:.1f} -> {rss[1]:.1f} MB"
+        out.append(Verdict(f"{name} memory flat", abs(change) <= FLAT, detail))
     errors = max(errors or 0, sum(w.errors for w in rows))
     requests = sum(w.requests for w in rows)
     out.append(
@@ -450,18 +493,21 @@ def clock(seconds: float) -> str:
 
 
 def table(rows: list[Window]) -> list[str]:
+    procs = " | ".join(f"{p} RSS / USS / PSS MB, CPU ms per req" for p in PROCS)
     lines = [
-        "| window | requests (errors) | router RSS MB / CPU ms per req | ingester RSS MB / CPU ms per req "
-        "| worker RSS MB / CPU ms per req | Redis MB (tok pieces MB) | index / engines blocks "
-        "| usage lag p50 / p99 / max (s) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        f"| window | requests (errors) | {procs} | Redis MB (tok payload / key overhead MB) "
+        "| index / engines blocks | usage lag p50 / p99 / max (s) |",
+        "|---|---:|" + "---:|" * len(PROCS) + "---:|---:|---:|",
     ]
     for w in rows:
-        procs = " | ".join(f"{fmt(w.rss_mb[p], 0)} / {fmt(w.cpu_ms[p])}" for p in PROCS)
+        procs = " | ".join(
+            f"{fmt(w.rss_mb[p], 0)} / {fmt(w.uss_mb[p], 0)} / {fmt(w.pss_mb[p], 0)}, {fmt(w.cpu_ms[p])}"
+            for p in PROCS
+        )
         ratio = f"{w.index_blocks:,} / {w.engine_blocks:,.0f} ({w.index_ratio - 1:+.1%})"
         lines.append(
             f"| {w.index}: {clock(w.start)}-{clock(w.end)} | {w.requests} ({w.errors}) | {procs} | "
-            f"{fmt(w.redis_mb)} ({fmt(w.tok_mb)}) | {ratio} | "
+            f"{fmt(w.redis_mb)} ({fmt(w.tok_mb)} / {fmt(w.tok_overhead_mb)}) | {ratio} | "
             f"{fmt(w.lag_p50, 2)} / {fmt(w.lag_p99, 2)} / {fmt(w.lag_max, 2)} |"
         )
     return lines
@@ -484,9 +530,11 @@ def report(args, argv: list[str], run: dict) -> str:
         f"{args.max_context:,} tokens, sub-agent bursts of 3-5 at {args.burst:.0%} of turns. Capacity: "
         f"{run['capacity']}; aimed at {run['rate']:.2f} requests/s, got {run['achieved']:.2f} over "
         f"{args.minutes:g} min in windows of {args.window:g} s (the first is the warm-up).",
-        "- Per window: RSS at its end (the router with its tokenizing workers; the worker's process alone); CPU per "
-        "request: the process's CPU over the window / requests ended in it; Redis: used memory, and of it the "
-        "shared token-id pieces (`tok:*`, kept six hours after last use); index: the prefix index's GPU/CPU entries "
+        "- Per window: memory at its end, RSS / USS (the process's own pages) / PSS (its own and its share of shared "
+        "ones): the router's process, its tokenizing workers together, the ingester, the worker's process alone; "
+        "CPU per request: the process's CPU over the window / requests ended in it; Redis: used memory, and of it "
+        "the shared token-id pieces (`tok:*`, kept six hours after last use): their payload and their keys' "
+        "overhead; index: the prefix index's GPU/CPU entries "
         "against the engines' cached blocks from their own KV events (a subscriber apart from the ingester); usage "
         "lag: a request's end (its usage event's `created_at`) to its ledger row, seen by polling every 0.25 s.",
         "",
@@ -504,10 +552,76 @@ def report(args, argv: list[str], run: dict) -> str:
         f"restarts: {run['restarts']}; usage stream at the end: {run['stream_len']} entries; "
         f"shared token pieces at the end: {run['tok_keys']:,}.",
     ]
+    if run.get("inside"):
+        lines += ["", *run["inside"]]
     if run["notes"]:
         lines += ["", "Notes:", "", *(f"- {n}" for n in run["notes"])]
     lines += ["", f"Run took {run['took']:.0f} s."]
     return "\n".join(lines)
+
+
+# --- inside the router (--trace-memory) ------------------------------------------------------------------
+
+
+def memwatch_env(env: dict, watch_dir: Path, every: float) -> dict[str, str]:
+    """The router's environment additions that load bench/memwatch/sitecustomize.py into it."""
+    import shutil
+
+    shutil.rmtree(watch_dir, ignore_errors=True)
+    watch_dir.mkdir(parents=True)
+    path = [str(ROOT / "bench" / "memwatch"), env.get("PYTHONPATH") or os.environ.get("PYTHONPATH", "")]
+    return {
+        "PYTHONPATH": os.pathsep.join(p for p in path if p),
+        "SOAK_MEMWATCH_DIR": str(watch_dir),
+        "SOAK_MEMWATCH_EVERY": str(every),
+    }
+
+
+def inside_router(path: Path, second_wall: float, top: int = 8) -> list[str]:
+    """The report's lines on the router's insides: Python-traced memory per look, the source lines that grew most
+    from the look nearest the second window's end to the last, and the bounded caches at the last look."""
+    if not path.exists():
+        return ["Inside the router: no memory looks were written (bench/memwatch did not load)."]
+    looks = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if len(looks) < 2:
+        return [f"Inside the router: {len(looks)} memory look(s), too few to compare."]
+    base = min(looks, key=lambda r: abs(r["wall"] - second_wall))
+    last = looks[-1]
+    grew = sorted(
+        (
+            (last["lines"].get(line, [0])[0] - base["lines"].get(line, [0])[0], line)
+            for line in set(last["lines"]) | set(base["lines"])
+        ),
+        reverse=True,
+    )[:top]
+    out = [
+        "Inside the router (tracemalloc, `--trace-memory`): memory Python's allocators hold, per look: "
+        + ", ".join(f"{r['traced_mb']:.0f}" for r in looks)
+        + f" MB. Grown most from the look at {base['t']:.0f} s to the last at {last['t']:.0f} s "
+        "(by source line of the allocation):",
+        "",
+        "| source line | grew MB | at the last look MB |",
+        "|---|---:|---:|",
+    ]
+    for delta, line in grew:
+        held = last["lines"].get(line, [0])[0]
+        out.append(f"| `{line.replace(str(ROOT) + '/', '')}` | {delta / 2**20:+.1f} | {held / 2**20:.1f} |")
+    held = [("router", last)]
+    for worker in sorted(path.parent.glob("router-worker-*.jsonl")):
+        lines = worker.read_text().splitlines()
+        if lines:
+            look = json.loads(lines[-1])
+            held.append((f"worker {worker.stem.rsplit('-', 1)[1]} ({look['traced_mb']:.0f} MB traced)", look))
+    out += ["", "The bounded caches at the last look (MB estimated from a sample of their entries):", ""]
+    out += ["| process | cache | entries | MB | bound |", "|---|---|---:|---:|---|"]
+    for process, look in held:
+        for cache in look["caches"]:
+            if "error" in cache:
+                out.append(f"| {process} | {cache['cache']} | | | could not read it: {cache['error']} |")
+            else:
+                row = f"{cache['entries']:,} | {cache['mb']:.1f} | {cache['bound']}"
+                out.append(f"| {process} | {cache['cache']} | {row} |")
+    return out
 
 
 # --- the platform -----------------------------------------------------------------------------------------
@@ -659,6 +773,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--section", default="soak")
     p.add_argument("--docs", default=None, help="write the section into this file (none by default)")
     p.add_argument("--json", default=None, help="write the windows and the verdict into this file")
+    p.add_argument(
+        "--trace-memory",
+        action="store_true",
+        help="run the router under tracemalloc and report what grows in it and what its caches hold",
+    )
     return p.parse_args(argv)
 
 
@@ -687,6 +806,9 @@ def main(argv: list[str]) -> int:
         blocks.ready.wait(10)
         time.sleep(1.0)  # its sockets connected before the first event
         extra = {"ROUTER_APPROX_BLOCKS_PER_ENDPOINT": str(args.kv_blocks)}
+        watch_dir = STATE / f"{args.tag}-memwatch"
+        if args.trace_memory:
+            extra |= memwatch_env(env, watch_dir, args.window)
         router, port = h.start_router(procs, f"{args.tag}-router", env, extra)
         status, answer = h.http_post(
             port, "/v1/chat/completions", a.warm_body(), {"Authorization": f"Bearer {key}"}, 60
@@ -712,9 +834,9 @@ def main(argv: list[str]) -> int:
         log(f"soak: {rate:.2f} requests/s for {args.minutes:g} min, windows of {args.window:g} s")
 
         measured_procs = [
-            Measured("router", router.pid, tree=True),
-            Measured("ingester", platform["ingester"].pid, tree=False),
-            Measured("worker", platform["worker"].pid, tree=False),
+            Measured("router", router.pid, children="router workers"),
+            Measured("ingester", platform["ingester"].pid),
+            Measured("worker", platform["worker"].pid),
         ]
         client = redis.Redis.from_url(redis_url)
         began_wall = time.time()
@@ -777,6 +899,9 @@ def main(argv: list[str]) -> int:
             "notes": notes,
             "took": time.monotonic() - started,
         }
+        if args.trace_memory:
+            second = began_wall + args.window * 2
+            run["inside"] = inside_router(watch_dir / "router.jsonl", second)
         client.close()
 
     block = report(args, argv, run)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from decimal import Decimal
 
@@ -35,14 +36,16 @@ CONCURRENCY_MAX_HOLD_S = 900
 # How long the id of a slot whose lease ran out stays in the set (not counted), so that a late settlement
 # from the journal can still tell it was never applied.
 UNSETTLED_RETAIN_S = 3600
-# Every admitted request under a quota, until it is settled, by its slot's lease deadline (see REAP); its orphan
-# record; and the mark of one reaped.
+# Every admitted request under a quota, and every request an engine may be serving (routing/finisher.py, `opened`),
+# until it is settled, by its lease deadline (see REAP); its orphan record; and the mark of one reaped.
 LEASES_KEY = "q:leases"
 ORPHAN_PREFIX = "q:orphan:"
 REAPED_PREFIX = "q:reaped:"
 # A request's lease must have run out this long before its orphan record is settled: a replica whose link to
 # Redis broke renews its leases within a second of it coming back, and replays its journal's settlements.
 REAP_GRACE_S = 10.0
+# How long an orphan record outlives the most a request is counted for.
+ORPHAN_TTL_S = CONCURRENCY_MAX_HOLD_S + UNSETTLED_RETAIN_S
 
 
 def _named(script: str) -> str:
@@ -141,8 +144,10 @@ SETTLE = _named(SETTLE)
 # REAP: {cutoff, limit, retain, stream, field}. A request whose replica died (SIGKILL, a lost machine) is never
 # settled: its slot's lease runs out, but its reservation would stay in the budget counters until their period
 # ends, and its usage would never reach the ledger. Every admitted request under a quota is in LEASES (scored by
-# its slot's lease deadline, renewed with it) with its orphan record: the settlement that gives back everything it
-# reserved, and a usage event (status failed, no tokens). Requests whose lease ran out before `cutoff` are
+# its slot's lease deadline, renewed with it) with its orphan record: the settlement that gives back what it
+# reserved beyond what its event bills, and that usage event (status failed; its prompt as the router counted it once the request is on its way
+# to an engine, before that no tokens). A request without a quota has a record with no settlement, written once
+# it is on its way to an engine (routing/finisher.py, `opened`). Requests whose lease ran out before `cutoff` are
 # settled from that record, their event appended to the usage stream, and marked reaped (for `retain` seconds) so
 # that a settlement of theirs arriving later, from a journal, is not applied on top. Returns how many.
 REAP = """
@@ -335,7 +340,7 @@ class Admission:
         }
         keys = reservation.keys
         if orphan_event is not None:
-            document["orphan"] = _orphan_record(reservation, orphan_event)
+            document["orphan"] = orphan_record(reservation, orphan_event)
             keys = [*keys, LEASES_KEY, ORPHAN_PREFIX + request_id]
         argument = orjson.dumps(document)
         try:
@@ -408,9 +413,10 @@ class Admission:
         if reservation is not None:
             self.held.pop(reservation.request_id, None)
 
-    async def renew_leases(self) -> int:
-        """Extend the lease of every slot this replica holds, in one round trip; return how many. A slot already
-        settled is not brought back (ZADD XX only updates ids still there)."""
+    async def renew_leases(self, records: Iterable[str] = ()) -> int:
+        """Extend the lease of every slot this replica holds, and of the orphan records of its requests without
+        a quota (`records`: their ids), in one round trip; return how many. A slot or record already settled is
+        not brought back (ZADD XX only updates ids still there)."""
         now_mono, now = time.monotonic(), time.time()
         slot = next(index for index, limit in enumerate(LIMITS) if limit.counts == "slot")
         by_key: dict[str, list[str]] = {}
@@ -420,21 +426,38 @@ class Admission:
                 continue
             for scope in range(reservation.scopes):
                 by_key.setdefault(reservation.keys[scope * len(LIMITS) + slot], []).append(request_id)
-        if not by_key:
+        leased = [rid for ids in by_key.values() for rid in ids] + list(records)
+        if not leased:
             return 0
         deadline = now + self.lease_s
         async with self.redis.pipeline(transaction=False) as pipe:
             for key, request_ids in by_key.items():
                 pipe.zadd(key, dict.fromkeys(request_ids, deadline), xx=True)
                 pipe.expire(key, math.ceil(self.lease_s) + UNSETTLED_RETAIN_S)
-            pipe.zadd(LEASES_KEY, {rid: deadline for ids in by_key.values() for rid in ids}, xx=True)
+            pipe.zadd(LEASES_KEY, dict.fromkeys(leased, deadline), xx=True)
             await pipe.execute()
-        return sum(len(ids) for ids in by_key.values())
+        return len(leased)
+
+    def record_in(self, pipe, reservation: Reservation, record: str) -> None:
+        """Queue a request's orphan record (`orphan_record`) with its lease on a pipeline: what REAP settles it
+        from if this replica dies first. Under a quota it replaces the one admission wrote, only while that one
+        is there (XX): a request settled meanwhile is not brought back, so its reservation is never given back
+        twice."""
+        deadline = time.time() + self.lease_s
+        under_quota = reservation.scopes > 0
+        pipe.set(ORPHAN_PREFIX + reservation.request_id, record, ex=ORPHAN_TTL_S, xx=under_quota)
+        pipe.zadd(LEASES_KEY, {reservation.request_id: deadline}, xx=under_quota)
+
+    @staticmethod
+    def forget_in(pipe, request_id: str) -> None:
+        """Queue the removal of the orphan record of a request without a quota, which settles nothing."""
+        pipe.delete(ORPHAN_PREFIX + request_id)
+        pipe.zrem(LEASES_KEY, request_id)
 
     async def reap_orphans(self, limit: int = 500) -> int:
         """Settle the requests whose replica died before settling them (REAP): their reservations given back,
-        their usage events (failed, no tokens) appended to the stream; returns how many. Safe from every
-        replica at once."""
+        their usage events (failed, their prompts where known) appended to the stream; returns how many. Safe
+        from every replica at once."""
         from tenants.usage_stream import FIELD, stream_key
 
         argument = {
@@ -470,14 +493,15 @@ def _settlement(args: list, replay: bool) -> bytes:
     return orjson.dumps({"id": request_id, "replay": replay, "deltas": deltas, "scopes": documented})
 
 
-def _orphan_record(reservation: Reservation, event: str) -> str:
+def orphan_record(reservation: Reservation, event: str, input_used: int = 0, spend_used: int = 0) -> str:
     """What REAP needs to settle a request nobody settled: its keys, the settlement that gives back all it
-    reserved, and its usage event."""
+    reserved but what its usage event bills (`input_used` prompt tokens costing `spend_used`; nothing without a
+    quota), and that event."""
     deltas = {
-        "input": str(-reservation.input_tokens),
+        "input": str(input_used - reservation.input_tokens),
         "output": str(-reservation.output_tokens),
-        "tokens": str(-(reservation.input_tokens + reservation.output_tokens)),
-        "spend": str(-reservation.spend),
+        "tokens": str(input_used - reservation.input_tokens - reservation.output_tokens),
+        "spend": str(spend_used - reservation.spend),
     }
     settled = [(index, limit.counts) for index, limit in enumerate(LIMITS) if limit.settled]
     scopes = [

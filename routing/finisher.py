@@ -1,6 +1,12 @@
 """The end of every request in one Redis round trip shared by all requests ending together (group commit):
 settle each admission reservation and append each usage event, then let each request return.
 
+Every request on its way to an engine also leaves an orphan record in Redis (`opened`): what a live replica bills
+it from (routing/admission.py, REAP) if this process dies before it ends. The record rides the next such round
+trip once the request has been in flight for OPEN_RECORD_AFTER_S (a timer sends it when none comes), so a request
+that ends sooner costs no Redis command at all. A replica SIGKILLed within that time of a request's start leaves
+that request without a record (under a quota: with admission's, which bills no tokens).
+
 A batch Redis cannot take goes to the usage journal (routing/journal.py); a background task replays it, renews
 the concurrency leases and reads the usage stream's lag. If neither Redis nor the journal takes usage,
 `accepting` is False: the router must refuse new work, since it could not bill it. See
@@ -14,8 +20,11 @@ import logging
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
+import orjson
 from django.conf import settings
 from prometheus_client import Counter, Gauge
 from redis.exceptions import ConnectionError, NoScriptError, RedisError
@@ -23,7 +32,7 @@ from redis.exceptions import ConnectionError, NoScriptError, RedisError
 from tenants.usage_stream import FIELD, UsageEvent, stream_key, usage_stream_lag
 
 from . import metrics
-from .admission import Admission, Reservation
+from .admission import CONCURRENCY_MAX_HOLD_S, Admission, Reservation, orphan_record
 from .journal import Journal, JournalError, journal_line, read_lines
 
 log = logging.getLogger(__name__)
@@ -39,6 +48,8 @@ RECENT_MAX = 50_000
 LAG_EVERY_S = 5.0
 ORPHANS_EVERY_S = 10.0
 REPLAY_CHUNK = 500
+# A request in flight this long has its orphan record written (see the module's docstring).
+OPEN_RECORD_AFTER_S = 0.05
 
 lag_entries = Gauge(
     "usage_stream_lag_entries",
@@ -73,12 +84,34 @@ accepting_gauge = Gauge(
 )
 
 
+class InFlight(NamedTuple):
+    """What a request in flight is billed if its replica dies: its usage event (encoded), and the prompt tokens
+    and spend (1e-8 units) that event bills, which its quota counters keep."""
+
+    event: str
+    input_used: int = 0
+    spend_used: int = 0
+
+
+@dataclass(slots=True)
+class _Open:
+    """A request on its way to an engine, and its orphan record: `sent` once it went into a round trip."""
+
+    reservation: Reservation
+    event: Callable[[], InFlight]
+    at: float
+    sent: bool = False
+
+
 @dataclass
 class _Ending:
     reservation: Reservation | None
     deltas: tuple[int, int, int]
     event: UsageEvent
     done: asyncio.Future
+    # Its orphan record went to Redis and, without a quota, is removed with the ending (under a quota the
+    # settlement removes it).
+    forget: bool = False
 
     def journal_line(self) -> str:
         settlement = None
@@ -104,6 +137,9 @@ class Finisher:
         self._epoch: bytes | None = None
         self._scheduled = False
         self._keeper: asyncio.Task | None = None
+        # The requests on their way to an engine (`opened`), by id, and the timer that writes their records.
+        self._open: dict[str, _Open] = {}
+        self._open_timer: asyncio.TimerHandle | None = None
         self.start()
 
     @property
@@ -123,6 +159,9 @@ class Finisher:
     async def stop(self) -> None:
         """Stop the background task, and replay what the journal holds if Redis takes it now; what it does not
         take stays on disk for the next router process to start in the same directory."""
+        if self._open_timer is not None:
+            self._open_timer.cancel()
+            self._open_timer = None
         if self._keeper is not None:
             self._keeper.cancel()
             await asyncio.gather(self._keeper, return_exceptions=True)
@@ -130,6 +169,53 @@ class Finisher:
         if self.redis_down or self.journal.waiting():
             await self._quietly("replay the usage journal before stopping", self.replay())
         self.journal.close()
+
+    def opened(self, reservation: Reservation, event: Callable[[], InFlight]) -> None:
+        """A request goes to an engine: write its orphan record, with the usage event `event()` makes (failed,
+        its prompt as counted so far) and what that bills, if it is still in flight after OPEN_RECORD_AFTER_S;
+        `settle` removes it. The event is made only then: most requests end sooner."""
+        self._open[reservation.request_id] = _Open(reservation, event, time.monotonic())
+        if self._open_timer is None:
+            self._open_timer = asyncio.get_running_loop().call_later(OPEN_RECORD_AFTER_S, self._records_due)
+
+    def _records_due(self) -> None:
+        """The timer: flush the records that are due unless a round trip about to go takes them; again for the
+        next one due."""
+        self._open_timer = None
+        now = time.monotonic()
+        waiting = [o.at for o in self._open.values() if not o.sent]
+        if not waiting:
+            return
+        if not self._scheduled and not self.redis_down and min(waiting) <= now - OPEN_RECORD_AFTER_S:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush_soon)
+        later = [at for at in waiting if at > now - OPEN_RECORD_AFTER_S]
+        if later:
+            delay = min(later) + OPEN_RECORD_AFTER_S - now
+            self._open_timer = asyncio.get_running_loop().call_later(delay, self._records_due)
+
+    def _records_to_send(self) -> list[tuple[_Open, str]]:
+        """The requests whose records are due and not yet sent, with their records, marked sent: an ending from
+        now on removes them. A record that cannot be made is logged and left out, never failing the batch."""
+        horizon = time.monotonic() - OPEN_RECORD_AFTER_S
+        due = []
+        for request_id, request in list(self._open.items()):
+            if request.sent or request.at > horizon:
+                continue
+            request.sent = True
+            try:
+                due.append((request, orphan_record(request.reservation, *request.event())))
+            except Exception:
+                log.exception("usage: no orphan record for request %s", request_id)
+        return due
+
+    def open_records(self) -> list[str]:
+        """The ids of the requests without a quota whose records this replica keeps alive (their leases renewed
+        with the slots, routing/admission.py); under a quota the slot's renewal covers it."""
+        oldest = time.monotonic() - CONCURRENCY_MAX_HOLD_S
+        return [
+            rid for rid, o in self._open.items() if o.sent and not o.reservation.scopes and o.at >= oldest
+        ]
 
     async def settle(
         self,
@@ -152,6 +238,8 @@ class Finisher:
                 spend - reservation.spend,
             )
         ending = _Ending(reservation, deltas, event, loop.create_future())
+        record = self._open.pop(event.request_id, None)
+        ending.forget = record is not None and record.sent and not record.reservation.scopes
         self._pending.append(ending)
         if not self._scheduled:
             self._scheduled = True
@@ -167,14 +255,19 @@ class Finisher:
         error = None
         try:
             if not self.redis_down:
+                records = self._records_to_send()
                 try:
-                    await asyncio.wait_for(self._to_redis_retried(batch), self.redis_timeout)
+                    await asyncio.wait_for(self._to_redis_retried(batch, records), self.redis_timeout)
                     now = time.monotonic()
                     self._recent.extend((now, ending.event.encode()) for ending in batch)
                     return
                 except (RedisError, OSError, TimeoutError) as exc:
                     log.warning("usage: Redis did not take a batch (%r); journaling until it does", exc)
                     self.redis_down = True
+                    for request, _ in records:  # sent again by a later round trip
+                        request.sent = False
+            if not batch:
+                return
             try:
                 await asyncio.to_thread(self.journal.append, [ending.journal_line() for ending in batch])
             except JournalError as exc:
@@ -199,19 +292,25 @@ class Finisher:
                         ending.done.set_exception(error)
             accepting_gauge.set(1 if self.accepting else 0)
 
-    async def _to_redis_retried(self, batch: list[_Ending]) -> None:
+    async def _to_redis_retried(self, batch: list[_Ending], records: list[tuple[_Open, str]]) -> None:
         """Once more on a connection error: after Redis restarts, each pooled connection fails once (and is
         dropped) before a fresh one works. Once more too when Redis lost the settlement script (NOSCRIPT: it
         restarted, or its scripts were flushed), the second try loading it. The first try may have been applied
         in part, or with its reply lost, so the second settles as a replay does (only what still holds its
         slot) and the ledger dedupes the events."""
+        if not batch and not records:
+            return
         try:
-            await self._to_redis(batch)
+            await self._to_redis(batch, records)
         except (ConnectionError, OSError, NoScriptError):
-            await self._to_redis(batch, again=True)
+            await self._to_redis(batch, records, again=True)
 
-    async def _to_redis(self, batch: list[_Ending], again: bool = False) -> None:
+    async def _to_redis(
+        self, batch: list[_Ending], records: list[tuple[_Open, str]], again: bool = False
+    ) -> None:
         async with self.redis.pipeline(transaction=False) as pipe:
+            for request, record in records:
+                self.admission.record_in(pipe, request.reservation, record)
             for ending in batch:
                 reservation = ending.reservation
                 if reservation is not None and reservation.scopes:
@@ -221,6 +320,8 @@ class Finisher:
                     else:
                         self.admission.settle_in(pipe, reservation, *ending.deltas)
                 pipe.xadd(stream_key(), {FIELD: ending.event.encode()})
+                if ending.forget:
+                    self.admission.forget_in(pipe, ending.event.request_id)
             await pipe.execute()
 
     # --- the background task ----------------------------------------------------------------------------
@@ -242,6 +343,8 @@ class Finisher:
                                 pipe, settlement["keys"], settlement["args"]
                             )
                         pipe.xadd(stream_key(), {FIELD: event})
+                        if not settlement:  # its orphan record, if one was written, is not reaped on top
+                            self.admission.forget_in(pipe, orjson.loads(event)["request_id"])
                     await asyncio.wait_for(pipe.execute(), self.redis_timeout)
             await asyncio.to_thread(self.journal.done, segment)
             replayed += len(pairs)
@@ -260,9 +363,10 @@ class Finisher:
         while True:
             await asyncio.sleep(tick)
             now = time.monotonic()
-            if self.admission.held and now >= renew_at:
+            if (self.admission.held or self._open) and now >= renew_at:
                 renew_at = now + renew_every
-                await self._quietly("renew concurrency leases", self.admission.renew_leases())
+                renewed = self.admission.renew_leases(self.open_records())
+                await self._quietly("renew concurrency leases", renewed)
             if self.redis_down or self.journal.waiting() or now >= orphans_at:
                 orphans_at = now + ORPHANS_EVERY_S
                 await self._quietly("replay the usage journal", self.replay())
@@ -272,6 +376,8 @@ class Finisher:
                 self._recent.popleft()
             if not self.redis_down:
                 await self._quietly("check that Redis kept its data", self._check_epoch())
+            if not self.redis_down and self._open_timer is None and self._open:
+                self._records_due()  # records that waited out an outage
             if self.journal.failed:
                 # Room again, or the disk back: work is accepted again even while Redis is still down.
                 await asyncio.to_thread(self.journal.probe)

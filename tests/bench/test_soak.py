@@ -17,13 +17,15 @@ unit = pytest.mark.unit  # pure functions: no database, Redis or process (make t
 
 
 def _sample(t: float, rss_mb: float, cpu_s: float, index: int = 100, engines: float = 100.0) -> soak.Sample:
+    mb = int(rss_mb * 2**20)
     return soak.Sample(
         t=t,
-        rss={p: int(rss_mb * 2**20) for p in soak.PROCS},
+        memory={p: soak.Memory(rss=mb + 2**20, uss=mb, pss=mb) for p in soak.PROCS},
         cpu={p: cpu_s for p in soak.PROCS},
         redis_used=int(3 * 2**20),
         tok_keys=0,
-        tok_bytes=int(1 * 2**20),
+        tok_bytes=int(0.75 * 2**20),
+        tok_memory=int(1 * 2**20),
         index=index,
         engines=engines,
         stream_len=0,
@@ -44,10 +46,13 @@ def test_a_window_holds_the_requests_that_ended_in_it_their_cpu_and_their_usage_
     first, second = soak.windows(samples, ends, ledger, began)
     assert (first.requests, first.errors, second.requests, second.errors) == (2, 0, 2, 2)
     assert first.cpu_ms["router"] == pytest.approx(500.0) and second.cpu_ms["worker"] == pytest.approx(250.0)
-    assert first.rss_mb["ingester"] == pytest.approx(110.0)  # memory at the window's end
+    assert first.uss_mb["ingester"] == pytest.approx(110.0)  # memory at the window's end
+    assert first.rss_mb["router workers"] == pytest.approx(111.0)
     assert (first.lag_max, first.lag_p50) == (pytest.approx(4.0), pytest.approx(4.0))
     assert second.lag_max == pytest.approx(1.0) and second.ledger_rows == 2
+    # Redis less the token pieces' keys, payload and overhead; the payload and the overhead apart.
     assert first.redis_less_tok_mb == pytest.approx(2.0) and first.index_ratio == 1.0
+    assert (first.tok_mb, first.tok_overhead_mb) == (pytest.approx(0.75), pytest.approx(0.25))
     assert second.notes == ["1 ledger rows not completed"]
 
 
@@ -61,7 +66,11 @@ def test_the_targets_memory_flat_after_warm_up_no_error_and_the_index_near_the_e
     leak = [*grow[:3], _sample(30, 230, 3)]
     rows = soak.windows(leak, [(5.0, True)], [], 0.0)
     verdicts = {v.target: v for v in soak.verdicts(rows, lost=0)}
-    assert not verdicts["worker memory flat"].met and "+12.2%" in verdicts["worker memory flat"].detail
+    assert (
+        not verdicts["worker memory flat"].met
+        and "USS 205.0 -> 230.0 MB (+12.2%" in verdicts["worker memory flat"].detail
+    )
+    assert not verdicts["router workers memory flat"].met
     assert not {v.target: v.met for v in soak.verdicts(rows, lost=1)}["no error"]
     assert not {v.target: v.met for v in soak.verdicts(rows, lost=0, errors=1)}["no error"]
     drift = [*grow[:3], _sample(30, 218, 3, index=94, engines=100.0)]
@@ -110,6 +119,7 @@ def test_three_minutes_of_agent_traffic_keep_memory_flat_with_no_error_and_the_i
     for window in windows:
         assert window["requests"] > 0 and window["errors"] == 0
         assert all(0 < window["rss_mb"][p] < 4000 for p in soak.PROCS)
+        assert all(0 < window["uss_mb"][p] <= window["rss_mb"][p] for p in soak.PROCS)
         assert 0 < window["lag_max"] < 30  # the ledger follows within seconds (beat: every 2 s)
         assert window["engine_blocks"] > 0  # the engines hold blocks: the index is compared with something
     assert result["lost"] == 0 and result["gaps"] == 0 and result["restarts"] == 0
