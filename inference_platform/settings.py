@@ -165,6 +165,17 @@ CELERY_BEAT_SCHEDULE = {
         "schedule": 15.0,
         "options": {"expires": 15.0},
     },
+    # Traces of our own traffic (routing/traffic_trace.py): the router's stream into the database, old rows out.
+    "drain-traffic-trace": {
+        "task": "routing.tasks.drain_traffic_trace",
+        "schedule": 5.0,
+        "options": {"expires": 5.0},
+    },
+    "prune-traffic-trace": {
+        "task": "routing.tasks.prune_traffic_trace",
+        "schedule": 3600.0,
+        "options": {"expires": 3600.0},
+    },
     "sample-history": {
         "task": "portal.tasks.sample_history",
         "schedule": HISTORY_SAMPLE_EVERY_S,
@@ -434,6 +445,17 @@ ROUTER_TRACES_SAMPLE_RATIO = float(env_secret("ROUTER_TRACES_SAMPLE_RATIO") or 1
 if not 0.0 <= ROUTER_TRACES_SAMPLE_RATIO <= 1.0:
     raise ImproperlyConfigured("ROUTER_TRACES_SAMPLE_RATIO must be between 0 and 1")
 ROUTER_TRACES_SERVICE_NAME = env_secret("OTEL_SERVICE_NAME") or "inference-router"
+# Traces of our own traffic for the planner (routing/traffic_trace.py, docs/planner.md): RATIO of the requests
+# (0: none, at no cost) leave an entry on a Redis stream capped at STREAM_MAXLEN entries, drained by the worker into
+# the database and kept KEEP_DAYS. Block keys and sessions are stored as keyed hashes under SECRET (blank: derived
+# from SECRET_KEY), so they cannot be matched against the keys of a known text.
+ROUTER_TRAFFIC_TRACE_RATIO = float(env_secret("ROUTER_TRAFFIC_TRACE_RATIO") or 0.0)
+if not 0.0 <= ROUTER_TRAFFIC_TRACE_RATIO <= 1.0:
+    raise ImproperlyConfigured("ROUTER_TRAFFIC_TRACE_RATIO must be between 0 and 1")
+ROUTER_TRAFFIC_TRACE_SECRET = env_secret("ROUTER_TRAFFIC_TRACE_SECRET") or ""
+ROUTER_TRAFFIC_TRACE_STREAM = env_secret("ROUTER_TRAFFIC_TRACE_STREAM") or "traffic:trace"
+ROUTER_TRAFFIC_TRACE_STREAM_MAXLEN = env_int("ROUTER_TRAFFIC_TRACE_STREAM_MAXLEN", 10_000)
+ROUTER_TRAFFIC_TRACE_KEEP_DAYS = env_int("ROUTER_TRAFFIC_TRACE_KEEP_DAYS", 14)
 # /v1/messages/count_tokens: its largest body (a 413 past it), and how long it waits for its count (then a 503).
 # Each call counts against its key's and team's requests per minute, as a generation request does.
 ROUTER_COUNT_TOKENS_MAX_BYTES = env_int("ROUTER_COUNT_TOKENS_MAX_BYTES", 4 * 1024 * 1024)

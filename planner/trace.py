@@ -45,7 +45,7 @@ def parse(lines: Iterable[str], limit: int | None = None) -> list[TraceRequest]:
                 output_tokens=max(1, int(row["output_length"])),
                 hash_ids=tuple(int(h) for h in row.get("hash_ids", ())),
                 tenant=str(row.get("tenant", "-")),
-                session=row.get("session"),
+                session=None if row.get("session") is None else str(row["session"]),
             )
         )
     requests.sort(key=lambda r: (r.arrival_s, r.index))

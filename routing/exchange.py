@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from django.conf import settings
 
-from . import metrics, tracing
+from . import metrics, tracing, traffic_trace
 from .admission import cost_units
 from .assemble import Assembler, EngineStreamError, assembler_for
 from .dialects import OPENAI, USAGE_KEY, Dialect, Usage, last_usage
@@ -140,6 +140,8 @@ class Exchange:
                     usage.prompt_tokens,
                     usage.cached_tokens,
                 )
+            if traffic_trace.RATIO:
+                traffic_trace.record(self)
         except Exception:
             log.exception("could not settle or meter request %s", request.request_id)
 

@@ -128,3 +128,32 @@ def policy_fields() -> tuple[models.Field, ...]:
     return tuple(
         f for f in RoutingPolicy._meta.local_fields if f.editable and not f.primary_key and not f.is_relation
     )
+
+
+class TrafficTraceEntry(models.Model):
+    """One sampled request of our own traffic, as a replay needs it (routing/traffic_trace.py): when it arrived,
+    whose it was (ids), its session and prompt blocks as keyed hashes, and its token counts. No text, no token ids.
+    Ids are plain numbers, not relations: the trace outlives a deleted key, and the worker's drain never fails on
+    one. Rows older than ROUTER_TRAFFIC_TRACE_KEEP_DAYS are pruned."""
+
+    request_id = models.CharField(max_length=64, unique=True)  # the drain writes each entry once
+    arrived_at = models.DateTimeField(db_index=True)
+    deployment_id = models.BigIntegerField()
+    endpoint = models.CharField(max_length=255, blank=True)  # the engine that served it
+    tenant_id = models.BigIntegerField()
+    team_id = models.BigIntegerField()
+    api_key_id = models.BigIntegerField()
+    priority_class = models.CharField(max_length=16, blank=True)
+    session = models.CharField(max_length=32, blank=True)  # keyed hash of the router's session id
+    prompt_tokens = models.PositiveIntegerField()
+    cached_tokens = models.PositiveIntegerField()
+    output_tokens = models.PositiveIntegerField()
+    block_size = models.PositiveIntegerField()  # the deployment's, which the block hashes are of
+    # The prompt's full blocks in order, 8 bytes each: keyed hashes of the router's block keys.
+    block_hashes = models.BinaryField(default=b"")
+
+    class Meta:
+        indexes = [models.Index(fields=["deployment_id", "arrived_at"], name="traffic_trace_period")]
+
+    def __str__(self) -> str:
+        return self.request_id
