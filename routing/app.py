@@ -45,6 +45,7 @@ from .checks import (
 from .conversion import RenderError, first_media_part
 from .dialects import ANTHROPIC, OPENAI, Dialect
 from .engine_errors import refusal, route_missing_body
+from .exchange import Services
 from .finisher import Finisher
 from .flow import FlowControl
 from .generation import generate
@@ -79,6 +80,7 @@ class Router:
         self.trade_loads: LoadTrade | None = None
         self.upstream: UpstreamPool | None = None
         self.finisher: Finisher | None = None
+        self.services: Services | None = None  # what each exchange is given, made at the start
         self._started: asyncio.Future | None = None
         self._refresher: asyncio.Task | None = None
         self._warming: asyncio.Task | None = None  # tokenizers loaded ahead of requests (PrefixRouting.warm)
@@ -126,6 +128,16 @@ class Router:
                 self.prefix = PrefixRouting(self.redis)
                 self.finisher = Finisher(self.redis, self.admission)
                 self.upstream = UpstreamPool(self.connect_timeout)
+                self.services = Services(
+                    pipeline=self.pipeline,
+                    loads=self.loads,
+                    flow=self.flow,
+                    upstream=self.upstream,
+                    finisher=self.finisher,
+                    prefix=self.prefix,
+                    redis=self.redis,
+                    max_attempts=self.max_attempts,
+                )
                 tracing.configure(
                     settings.ROUTER_TRACES_ENDPOINT,
                     settings.ROUTER_TRACES_SAMPLE_RATIO,

@@ -132,12 +132,12 @@ async def prefill_elsewhere(
 ) -> Prefilled:
     """Run the prefill leg on another engine when the plan says so, on a route that may be disaggregated
     (routing/routes.py). `tried`: a leg already ran for this request."""
-    request, router = exchange.request, exchange.router
+    request, services = exchange.request, exchange.services
     if not ROUTES[request.scope["path"]].disaggregated or tried:
         return Prefilled(request.body, tried)
 
     def prefill_choice():
-        chosen, _ = router.pipeline.choose(request.deployment, request.ctx, router.loads, PREFILL_ROLES)
+        chosen, _ = services.pipeline.choose(request.deployment, request.ctx, services.loads, PREFILL_ROLES)
         return chosen
 
     plan = plan_disaggregated(request.deployment, request.ctx, decode, prefill_choice)
@@ -158,8 +158,8 @@ async def prefill_leg(exchange: Exchange, endpoint: EndpointInfo) -> tuple[dict,
     """The prefill leg on `endpoint`: its `kv_transfer_params` for the decode engine and the leg's usage, or None
     when it failed (then the decode engine prefills itself). Counts in that engine's load and prefill backlog while
     it runs."""
-    request, router = exchange.request, exchange.router
-    load = router.loads.setdefault(endpoint.id, EndpointLoad())
+    request, services = exchange.request, exchange.services
+    load = services.loads.setdefault(endpoint.id, EndpointLoad())
     load.begin()
     lane = load.prefill_began(
         float(uncached_tokens(request.deployment, request.ctx, endpoint.id)), time.monotonic()
@@ -168,7 +168,7 @@ async def prefill_leg(exchange: Exchange, endpoint: EndpointInfo) -> tuple[dict,
     try:
         async with (
             asyncio.timeout(exchange.first_token_timeout),
-            router.upstream.post(
+            services.upstream.post(
                 endpoint.url + request.scope["path"],
                 prefill_body(request.payload),
                 exchange.upstream_headers(),

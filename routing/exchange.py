@@ -8,6 +8,7 @@ import asyncio
 import logging
 import re
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -35,7 +36,11 @@ from .upstream import (
 from .wire import JSON_HEADERS, Receive, Send, encode_headers, respond
 
 if TYPE_CHECKING:
-    from .app import Router
+    from .finisher import Finisher
+    from .flow import FlowControl
+    from .pipeline import Pipeline
+    from .prefix import PrefixRouting
+    from .upstream import UpstreamPool
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +49,22 @@ USAGE_BYTES = 4096
 USAGE_START = re.compile(rb'"usage"\s*:\s*\{')
 # An engine's error answer is read up to this much (it is a message, not an answer).
 ERROR_BODY_BYTES = 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Services:
+    """What an exchange uses of its replica, and nothing more: the pipeline that picks an engine and the loads it
+    reads, flow control, the engines' connection pool, the settlement of usage and the prefix index it reports
+    to. The router makes it once, at its start."""
+
+    pipeline: Pipeline
+    loads: dict[int, EndpointLoad]
+    flow: FlowControl
+    upstream: UpstreamPool
+    finisher: Finisher
+    prefix: PrefixRouting
+    redis: object  # the replica's client, for the traffic trace's entries
+    max_attempts: int
 
 
 class RequestInfo(NamedTuple):
@@ -73,8 +94,8 @@ class RequestInfo(NamedTuple):
 class Exchange:
     """One request's trip to an engine and back, with retries, streaming and accounting."""
 
-    def __init__(self, router: Router, request: RequestInfo, receive: Receive, send: Send):
-        self.router, self.request, self.receive, self.send = router, request, receive, send
+    def __init__(self, services: Services, request: RequestInfo, receive: Receive, send: Send):
+        self.services, self.request, self.receive, self.send = services, request, receive, send
         self.usage = Usage()
         self.status = "failed"
         self.http_status = 502
@@ -120,12 +141,12 @@ class Exchange:
         self._final_usage()
         request, usage = self.request, self.usage
         spend = cost_units(request.prices, usage.prompt_tokens, usage.cached_tokens, usage.output_tokens)
-        router = self.router
+        services = self.services
         if tracing.ON:
             tracing.settled(self)
         try:
             with tracing.span("router.settle"):
-                await router.finisher.settle(
+                await services.finisher.settle(
                     request.reservation,
                     input_tokens=usage.prompt_tokens,
                     output_tokens=usage.output_tokens,
@@ -133,7 +154,7 @@ class Exchange:
                     event=self.usage_event(),
                 )
             if request.ctx.block_count and usage.reported:
-                router.prefix.observe(
+                services.prefix.observe(
                     request.deployment,
                     self.endpoint_name,
                     self.predicted_cached,
@@ -182,7 +203,7 @@ class Exchange:
         """Wait in the router while the deployment is saturated (routing/flow.py). False: it waited past its
         class's limit and was refused (429, or Anthropic's overloaded error), nothing billed. A client that goes
         away meanwhile cancels the wait, and it leaves the queue."""
-        request, flow = self.request, self.router.flow
+        request, flow = self.request, self.services.flow
         ctx = request.ctx
         blocks = {e: h.blocks for e, h in ctx.held.items()} if ctx.held else ctx.approx_held
         held = max(blocks.values(), default=0) * request.deployment.block_size
@@ -222,7 +243,7 @@ class Exchange:
         """Try engines until one answers, up to ROUTER_MAX_ATTEMPTS. An engine that fails before anything reached
         the client (a 5xx, no connection, no first token in time, a route it lacks: see routing/engine_errors.py)
         is left for another; when none answers, the client gets an error in its dialect (`_give_up`)."""
-        request, router = self.request, self.router
+        request, services = self.request, self.services
         ctx = request.ctx
         tried: set[int] = set()
         failures: list[str] = []  # what went wrong with each engine tried, in order
@@ -234,13 +255,13 @@ class Exchange:
             ctx.room_beyond = policy.saturation_waiting_per_engine
             ctx.spare_slots = policy.saturation_spare_slots_per_engine if ticket.ahead else 0.0
             ctx.reserved_endpoint = ticket.endpoint
-        for attempt in range(router.max_attempts):
+        for attempt in range(services.max_attempts):
             ctx.exclude = frozenset(tried)
             with tracing.span("router.pick") as pick:
-                candidate, candidates = router.pipeline.choose(request.deployment, ctx, router.loads)
+                candidate, candidates = services.pipeline.choose(request.deployment, ctx, services.loads)
                 if candidate is None:
                     break
-                self.predicted_cached = router.prefix.chosen(
+                self.predicted_cached = services.prefix.chosen(
                     request.deployment, ctx, candidate, candidates, request.request_id
                 )
                 if pick is not None:
@@ -252,7 +273,7 @@ class Exchange:
             self.pd_done = prefilled.tried
             if prefilled.remotely:
                 self.prefill_usage = prefilled.usage
-            load = router.loads.setdefault(endpoint.id, EndpointLoad())
+            load = services.loads.setdefault(endpoint.id, EndpointLoad())
             weight = request_weight(ctx.prompt_tokens_estimate, self.predicted_cached)
             load.begin(weight)
             if self.ticket is not None:
@@ -320,7 +341,7 @@ class Exchange:
         whole_answer = not request.stream and not request.assemble
         try:
             async with asyncio.timeout(self._headers_timeout(whole_answer)) as deadline:
-                async with self.router.upstream.post(
+                async with self.services.upstream.post(
                     base_url + self.request.scope["path"], body, self.upstream_headers()
                 ) as resp:
                     metrics.of(metrics.added, self.model).observe(sent_at - self.request.started)

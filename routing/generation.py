@@ -4,8 +4,8 @@
    bounds; any refusal that needs no quota and no tokenizer is decided here.
 2. `admit`: the bounds reserved against the tenant's, team's and key's quotas (routing/admission.py).
 3. `place`: the prompt tokenized and scored for routing (routing/prefix.py); the refusals that need its count.
-4. `serve`: an Exchange (routing/exchange.py) takes it to an engine and back; the reservation is settled once,
-   by `Exchange.complete`, whatever way it ends.
+4. `serve`: an Exchange (routing/exchange.py), given the replica's `Services`, takes it to an engine and back;
+   the reservation is settled once, by `Exchange.settle`, whatever way it ends.
 """
 
 from __future__ import annotations
@@ -292,7 +292,7 @@ async def place(router: Router, checked: Checked, path: str, request_id: str) ->
 async def serve(router: Router, request: RequestInfo, receive: Receive, send: Send) -> None:
     """Step 4: the refusals that need the prompt's count, else the exchange; the reservation settled once."""
     deployment, payload, path = request.deployment, request.payload, request.scope["path"]
-    exchange = Exchange(router, request, receive, send)
+    exchange = Exchange(router.services, request, receive, send)
     too_long = over_context(deployment, payload, request.ctx, path) or over_logprob_limit(
         payload, request.ctx, path, request.input_bound, settings.ROUTER_MAX_PROMPT_LOGPROB_ENTRIES
     )

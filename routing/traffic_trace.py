@@ -105,22 +105,22 @@ def record(exchange: Exchange) -> None:
     written in the background so that the request waits for nothing."""
     if random.random() >= RATIO or len(_pending) >= MAX_PENDING:
         return
-    router, request = exchange.router, exchange.request
-    if router.redis is None:
+    services, request = exchange.services, exchange.request
+    if services.redis is None:
         return
     fields = entry_fields(exchange, trace_secret())
     # Routed without the prompt's keys (a mode that reads no prompt): keyed after its end, off its path.
     unkeyed = request if not request.ctx.block_keys else None
-    task = asyncio.get_running_loop().create_task(_write(router, fields, unkeyed))
+    task = asyncio.get_running_loop().create_task(_write(services, fields, unkeyed))
     _pending.add(task)
     task.add_done_callback(_pending.discard)
 
 
-async def _write(router, fields: dict[bytes, bytes], unkeyed: RequestInfo | None) -> None:
+async def _write(services, fields: dict[bytes, bytes], unkeyed: RequestInfo | None) -> None:
     try:
         if unkeyed is not None:
-            fields[BLOCKS] = hashed_blocks(await prompt_keys(router.prefix, unkeyed), trace_secret())
-        await router.redis.xadd(
+            fields[BLOCKS] = hashed_blocks(await prompt_keys(services.prefix, unkeyed), trace_secret())
+        await services.redis.xadd(
             settings.ROUTER_TRAFFIC_TRACE_STREAM,
             fields,
             maxlen=settings.ROUTER_TRAFFIC_TRACE_STREAM_MAXLEN,
