@@ -229,7 +229,7 @@ def _quota_usage(team, quotas) -> list[dict]:
     import redis
     from django.conf import settings
 
-    from routing.admission import quota_counters
+    from routing.contracts import quota_counters
     from tenants.limits import LIMITS, row_label
 
     client = redis.Redis.from_url(settings.REDIS_URL)

@@ -22,14 +22,14 @@ import orjson
 from django.conf import settings
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from tenants.limits import LIMITS, Limit, message
+from tenants.limits import LIMITS, message
 from tenants.periods import period_bounds
 from tenants.pricing import cost_from_prices
 
+from .contracts import MONEY_SCALE, quota_counter_key, quota_keys
 from .snapshot import KeyInfo, Prices, QuotaInfo, Snapshot
 
 # Money is counted in Redis as integers of 1e-8 of the currency unit, the ledger's precision.
-MONEY_SCALE = Decimal("100000000")
 # A request is counted for at most this long, however long it runs (a router that forgot to settle cannot hold
 # a slot for ever).
 CONCURRENCY_MAX_HOLD_S = 900
@@ -278,9 +278,7 @@ class Admission:
     def _scope_keys(kind: str, ident: int, quota: QuotaInfo, minute: int, budget_start: int) -> list[str]:
         """A scope's counters, one per limit in the table's order: a minute's name its minute, a budget's its
         period and start."""
-        return [
-            _counter_key(limit, kind, ident, quota.budget_period, minute, budget_start) for limit in LIMITS
-        ]
+        return quota_keys(kind, ident, quota.budget_period, minute, budget_start)
 
     async def admit(
         self,
@@ -373,7 +371,7 @@ class Admission:
         minute = int(now // 60)
         window_ttl = 60 - int(now % 60)
         rpm = next(limit for limit in LIMITS if limit.field == "requests_per_minute")
-        keys = [_counter_key(rpm, kind, ident, "", minute, 0) for kind, ident, _ in scopes]
+        keys = [quota_counter_key(rpm, kind, ident, "", minute, 0) for kind, ident, _ in scopes]
         args = [window_ttl, *(int(quota.requests_per_minute) for _, _, quota in scopes)]
         result = await self._count_request(keys=keys, args=args)
         if result[0] == 1:
@@ -470,17 +468,6 @@ class Admission:
         return int(await self._reap(args=[orjson.dumps(argument)]))
 
 
-def _counter_key(limit: Limit, kind: str, ident: int, period: str, minute: int, budget_start: int) -> str:
-    """A limit's counter for a scope: a minute's named by its minute (minutes since the epoch), a budget's by its
-    period and start; the running requests' slots have one set."""
-    base = f"q:{kind}:{ident}:{limit.counter}"
-    if limit.window == "minute":
-        return f"{base}:{minute}"
-    if limit.window == "budget":
-        return f"{base}:{period}:{budget_start}"
-    return base
-
-
 def _settlement(args: list, replay: bool) -> bytes:
     """The settle script's argument, from `settlement_args`: each scope's settled limits, by name."""
     request_id, scopes, d_in, d_out, d_spend = args[:5]
@@ -537,26 +524,3 @@ def _limit(value, money: bool = False) -> int:
     if value is None:
         return -1
     return money_units(value) if money else int(value)
-
-
-def quota_counters(redis_client, *, kind: str, ident: int, quota) -> dict:
-    """What admission has counted against a quota right now (sync client), by limit (tenants/limits.py): the
-    same Redis keys the admission script checks, so a page can show exactly what the next request will be judged
-    against. Budgets include the reservations of requests still running; spend is in the currency."""
-    from datetime import UTC, datetime
-
-    now = time.time()
-    start, _ = period_bounds(quota.budget_period, datetime.fromtimestamp(now, UTC))
-    keys = Admission._scope_keys(kind, ident, quota, int(now // 60), int(start.timestamp()))
-    with redis_client.pipeline(transaction=False) as pipe:
-        for limit, key in zip(LIMITS, keys, strict=True):
-            if limit.counts == "slot":
-                pipe.zcount(key, now, "+inf")
-            else:
-                pipe.get(key)
-        values = pipe.execute()
-    counted = {}
-    for limit, value in zip(LIMITS, values, strict=True):
-        value = int(value or 0)
-        counted[limit.field] = Decimal(value) / MONEY_SCALE if limit.money else value
-    return counted

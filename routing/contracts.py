@@ -9,10 +9,16 @@ bookkeeping, the quota scripts' counters) stay with the code that owns them.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
+from datetime import UTC, datetime
+from decimal import Decimal
 from typing import NamedTuple, TypeVar
 
 import orjson
+
+from tenants.limits import LIMITS, Limit
+from tenants.periods import period_bounds
 
 # --- configuration ------------------------------------------------------------------------------------------
 # A counter; bumped by every configuration change (inference_platform/config_version.py), polled by the router
@@ -158,3 +164,57 @@ SHARED_TOKENS_PREFIX = "tok"
 # writes; the portal reads).
 AUTOSCALE_RECOMMENDATIONS_KEY = "autoscale:recs:{}"
 AUTOSCALE_HISTORY_KEY = "autoscale:history:{}"
+
+
+# --- quotas ------------------------------------------------------------------------------------------------
+# A counter per scope ("tenant", "team", "key") and limit of the limits table (tenants/limits.py): a minute's named
+# by its minute (minutes since the epoch), a budget's by its period and start; the running requests' slots one
+# sorted set (member: request id, score: its lease deadline). The routers' admission scripts write them
+# (routing/admission.py); the worker restores them from the ledger (routing/quota_restore.py) and the portal shows
+# them. Money is counted in units of 1/MONEY_SCALE of the currency.
+MONEY_SCALE = Decimal("100000000")
+
+
+def quota_counter_key(
+    limit: Limit, kind: str, ident: int, period: str, minute: int, budget_start: int
+) -> str:
+    base = f"q:{kind}:{ident}:{limit.counter}"
+    if limit.window == "minute":
+        return f"{base}:{minute}"
+    if limit.window == "budget":
+        return f"{base}:{period}:{budget_start}"
+    return base
+
+
+def quota_keys(kind: str, ident: int, budget_period: str, minute: int, budget_start: int) -> list[str]:
+    """A scope's counters, one per limit in the table's order."""
+    return [quota_counter_key(limit, kind, ident, budget_period, minute, budget_start) for limit in LIMITS]
+
+
+def quota_counters(redis_client, *, kind: str, ident: int, quota) -> dict:
+    """What admission has counted against a quota right now (sync client), by limit field: the keys the admission
+    script checks, so a page shows what the next request will be judged against. Budgets include the reservations
+    of requests still running; spend is in the currency."""
+    now = time.time()
+    start, _ = period_bounds(quota.budget_period, datetime.fromtimestamp(now, UTC))
+    keys = quota_keys(kind, ident, quota.budget_period, int(now // 60), int(start.timestamp()))
+    with redis_client.pipeline(transaction=False) as pipe:
+        for limit, key in zip(LIMITS, keys, strict=True):
+            if limit.counts == "slot":
+                pipe.zcount(key, now, "+inf")
+            else:
+                pipe.get(key)
+        values = pipe.execute()
+    counted = {}
+    for limit, value in zip(LIMITS, values, strict=True):
+        value = int(value or 0)
+        counted[limit.field] = Decimal(value) / MONEY_SCALE if limit.money else value
+    return counted
+
+
+# --- usage ---------------------------------------------------------------------------------------------------
+# Redis's identity for the usage stream: a random value set when missing. A new value means Redis lost its data
+# (restarted empty, or failed over to a replica that had not got the latest writes), and with it the events not
+# yet in the ledger; each router replica then appends again what it wrote lately (routing/finisher.py; the
+# ledger ignores a request id it holds).
+USAGE_EPOCH_KEY = "usage:epoch"

@@ -33,16 +33,12 @@ from tenants.usage_stream import FIELD, UsageEvent, stream_key, usage_stream_lag
 
 from . import metrics
 from .admission import CONCURRENCY_MAX_HOLD_S, Admission, Reservation, orphan_record
+from .contracts import USAGE_EPOCH_KEY
 from .journal import Journal, JournalError, journal_line, read_lines
 
 log = logging.getLogger(__name__)
 
 KEEP_EVERY_S = 1.0
-# Redis's identity for the usage stream: a random value set when missing. A new value means Redis lost its data
-# (restarted empty, or failed over to a replica that had not got the latest writes), and with it the events not
-# yet in the ledger; each replica then appends again what it wrote in the last RECENT_S seconds (the ledger
-# ignores a request id it holds).
-EPOCH_KEY = "usage:epoch"
 RECENT_S = 120.0
 RECENT_MAX = 50_000
 LAG_EVERY_S = 5.0
@@ -132,7 +128,7 @@ class Finisher:
         self.redis_down = False
         self._pending: list[_Ending] = []
         # (monotonic time, encoded event) of what Redis took in the last RECENT_S seconds, and the epoch it
-        # had then (see EPOCH_KEY).
+        # had then (see USAGE_EPOCH_KEY).
         self._recent: deque[tuple[float, str]] = deque(maxlen=RECENT_MAX)
         self._epoch: bytes | None = None
         self._scheduled = False
@@ -400,11 +396,13 @@ class Finisher:
             log.warning("usage: settled %d requests a dead replica admitted and never settled", reaped)
 
     async def _check_epoch(self) -> None:
-        """Append again the events of the last RECENT_S seconds when Redis lost its data (EPOCH_KEY)."""
-        epoch = await asyncio.wait_for(self.redis.get(EPOCH_KEY), self.redis_timeout)
+        """Append again the events of the last RECENT_S seconds when Redis lost its data (USAGE_EPOCH_KEY)."""
+        epoch = await asyncio.wait_for(self.redis.get(USAGE_EPOCH_KEY), self.redis_timeout)
         if epoch is None:
-            await asyncio.wait_for(self.redis.set(EPOCH_KEY, uuid.uuid4().hex, nx=True), self.redis_timeout)
-            epoch = await asyncio.wait_for(self.redis.get(EPOCH_KEY), self.redis_timeout)
+            await asyncio.wait_for(
+                self.redis.set(USAGE_EPOCH_KEY, uuid.uuid4().hex, nx=True), self.redis_timeout
+            )
+            epoch = await asyncio.wait_for(self.redis.get(USAGE_EPOCH_KEY), self.redis_timeout)
         if self._epoch is not None and epoch != self._epoch:
             horizon = time.monotonic() - RECENT_S
             events = [event for at, event in self._recent if at >= horizon]

@@ -21,7 +21,8 @@ from tenants.limits import LIMITS
 from tenants.models import Quota, Tenant, UsageRecord
 from tenants.periods import period_bounds
 
-from .admission import Admission, money_units, quota_counters
+from .admission import Admission, money_units
+from .contracts import quota_counters
 from .snapshot import QuotaInfo, _ceilings, _quota
 
 log = logging.getLogger(__name__)

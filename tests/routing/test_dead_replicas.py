@@ -20,8 +20,9 @@ import redis
 import redis.asyncio as aioredis
 
 from routing import admission as admission_module
-from routing.admission import Admission, quota_counters
-from routing.finisher import EPOCH_KEY, Finisher
+from routing.admission import Admission
+from routing.contracts import USAGE_EPOCH_KEY, quota_counters
+from routing.finisher import Finisher
 from tenants.limits import LIMITS
 from tenants.usage_stream import FIELD, UsageEvent
 
@@ -148,7 +149,7 @@ def test_events_redis_took_are_appended_again_when_it_lost_its_data(settings, tm
     settings.USAGE_STREAM = "usage:test-epoch"
     settings.ROUTER_USAGE_JOURNAL_DIR = str(tmp_path / "journal")
     sync = redis.Redis.from_url(settings.REDIS_URL)
-    sync.delete(settings.USAGE_STREAM, EPOCH_KEY)
+    sync.delete(settings.USAGE_STREAM, USAGE_EPOCH_KEY)
 
     async def scenario():
         client = aioredis.Redis.from_url(settings.REDIS_URL)
@@ -161,7 +162,7 @@ def test_events_redis_took_are_appended_again_when_it_lost_its_data(settings, tm
                 )
             await finisher._check_epoch()  # the same Redis: nothing again
             assert len(stream_events(sync, settings.USAGE_STREAM)) == 3
-            sync.delete(settings.USAGE_STREAM, EPOCH_KEY)  # Redis lost its data
+            sync.delete(settings.USAGE_STREAM, USAGE_EPOCH_KEY)  # Redis lost its data
             await finisher._check_epoch()
         finally:
             await finisher.stop()
@@ -172,7 +173,7 @@ def test_events_redis_took_are_appended_again_when_it_lost_its_data(settings, tm
         again = stream_events(sync, settings.USAGE_STREAM)
         assert [e["request_id"] for e in again] == ["epoch-0", "epoch-1", "epoch-2"]
     finally:
-        sync.delete(settings.USAGE_STREAM, EPOCH_KEY)
+        sync.delete(settings.USAGE_STREAM, USAGE_EPOCH_KEY)
         sync.close()
 
 

@@ -20,7 +20,7 @@ from aiohttp import web
 from django.conf import settings
 
 from inference_platform.ports import free_port
-from routing.admission import quota_counters
+from routing.contracts import quota_counters
 from routing.models import RoutingPolicy
 from serving.engine_keys import engine_api_key
 from serving.models import Endpoint, Health, ModelDeployment

@@ -13,7 +13,7 @@ import pytest
 import redis
 from django.conf import settings
 
-from routing.admission import quota_counters
+from routing.contracts import quota_counters
 from routing.models import RoutingPolicy
 from routing.snapshot import _quota
 from tenants.models import Quota, UsageRecord

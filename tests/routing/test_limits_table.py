@@ -12,7 +12,8 @@ import redis.asyncio as aioredis
 from django.conf import settings
 
 from routing import admission as admission_module
-from routing.admission import Admission, quota_counters
+from routing.admission import Admission
+from routing.contracts import quota_counters
 from routing.snapshot import QuotaInfo
 from tenants import limits as limits_module
 from tenants.admin import QuotaAdmin, TenantAdmin
