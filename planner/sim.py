@@ -24,11 +24,11 @@ ensure_django()
 
 from routing.affinity import ApproximateIndex  # noqa: E402
 from routing.framework import RequestContext  # noqa: E402
+from routing.info import DeploymentInfo, EndpointInfo, PolicyInfo  # noqa: E402
 from routing.load import RECENT_WINDOW_S, EndpointLoad  # noqa: E402
 from routing.pipeline import Pipeline  # noqa: E402
 from routing.prefix import with_recent  # noqa: E402
 from routing.prefix_index import Held  # noqa: E402
-from routing.snapshot import DeploymentInfo, EndpointInfo, PolicyInfo  # noqa: E402
 from routing.steps import request_weight  # noqa: E402
 
 MODES = ("precise", "approximate", "least_loaded", "round_robin")

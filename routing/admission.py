@@ -27,7 +27,8 @@ from tenants.periods import period_bounds
 from tenants.pricing import cost_from_prices
 
 from .contracts import MONEY_SCALE, quota_counter_key, quota_keys
-from .snapshot import KeyInfo, Prices, QuotaInfo, Snapshot
+from .info import KeyInfo, Prices, QuotaInfo
+from .snapshot import Snapshot
 
 # Money is counted in Redis as integers of 1e-8 of the currency unit, the ledger's precision.
 # A request is counted for at most this long, however long it runs (a router that forgot to settle cannot hold

@@ -49,6 +49,7 @@ from .exchange import Services
 from .finisher import Finisher
 from .flow import FlowControl
 from .generation import generate
+from .info import DeploymentInfo, KeyInfo
 from .intake import ClientStalled, Intake
 from .load import EndpointLoad, LoadTrade
 from .load_scraper import LOAD_KEY
@@ -57,7 +58,7 @@ from .pipeline import Pipeline
 from .prefix import PrefixRouting
 from .redis_pool import router_redis
 from .routes import MESSAGES, RESPONSES, ROUTES, listed
-from .snapshot import DeploymentInfo, KeyInfo, Snapshot, load_snapshot
+from .snapshot import Snapshot, load_snapshot
 from .upstream import UpstreamError, UpstreamPool
 from .wire import JSON_HEADERS, Receive, Send, encode_headers, header, respond
 

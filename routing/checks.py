@@ -21,9 +21,10 @@ from .conversion import first_media_part
 from .dialects import ANTHROPIC, Dialect
 from .fields import FieldError, public_fields, remote_media
 from .flow import CLASSES as PRIORITY_CLASSES
+from .info import DeploymentInfo, KeyInfo
 from .pipeline import RequestContext
 from .routes import ROUTES
-from .snapshot import DeploymentInfo, KeyInfo, Snapshot
+from .snapshot import Snapshot
 from .tokenize import RouterTokenizer, token_ids
 from .wire import Receive, header
 

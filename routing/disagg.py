@@ -16,10 +16,10 @@ import orjson
 
 from . import metrics
 from .dialects import OPENAI, Usage
+from .info import PREFILL_ROLES, DeploymentInfo, EndpointInfo
 from .load import EndpointLoad
 from .pipeline import Candidate, RequestContext
 from .routes import ROUTES
-from .snapshot import PREFILL_ROLES, DeploymentInfo, EndpointInfo
 from .upstream import UpstreamError
 
 if TYPE_CHECKING:

@@ -22,8 +22,8 @@ from .disagg import prefill_elsewhere
 from .engine_errors import refusal, route_missing_body
 from .flow import QueueTimeout, Ticket
 from .framework import RequestContext
+from .info import DeploymentInfo, KeyInfo
 from .load import RECENT_WINDOW_S, EndpointLoad, Prefill
-from .snapshot import DeploymentInfo, KeyInfo
 from .steps import request_weight
 from .upstream import (
     AnswerTooLarge,

@@ -43,8 +43,8 @@ import orjson
 from . import metrics
 from .contracts import QUEUE_KEY, SERVED_KEY, TTL_S, others_queued, others_work
 from .filters import slot_limit
+from .info import DECODE_ROLES, DeploymentInfo, KeyInfo
 from .load import EndpointLoad
-from .snapshot import DECODE_ROLES, DeploymentInfo, KeyInfo
 
 CLASSES = ("interactive", "standard", "batch")  # dispatch order (tenants.models.PRIORITY_RANK)
 # How long a replica leaves a free turn to a waiter at another replica that comes first (two trades of loads).

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from .info import DeploymentInfo, EndpointInfo, PolicyInfo
     from .load import EndpointLoad
     from .prefix_index import Held
-    from .snapshot import DeploymentInfo, EndpointInfo, PolicyInfo
 
 
 @dataclass

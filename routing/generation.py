@@ -44,10 +44,10 @@ from .checks import (
 from .dialects import OPENAI, Dialect
 from .exchange import Exchange, RequestInfo
 from .finisher import InFlight
+from .info import DeploymentInfo, KeyInfo, Prices
 from .pipeline import RequestContext
 from .prefix import needs_prompt, read_outcome
 from .sessions import session_key
-from .snapshot import DeploymentInfo, KeyInfo, Prices
 from .tokenize import token_ids
 from .wire import JSON_HEADERS, Receive, Send, encode_headers, respond
 

@@ -11,7 +11,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .contracts import REPLICA_LOAD_KEY, TTL_S, others_load
-from .snapshot import EndpointInfo
+from .info import EndpointInfo
 
 RECENT_WINDOW_S = 5.0
 # Prefills shorter than this do not teach the prefill speed: their time is mostly the engine's fixed overhead.

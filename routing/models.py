@@ -33,7 +33,8 @@ class RoutingPolicy(models.Model):
 
     Each scorer returns a score in [0, 1] per endpoint; the weights combine them and the best total wins. Which
     field weighs which scorer is registered with the scorer (routing/plugins.py). The router reads every field
-    but the deployment and updated_at (policy_fields), with these defaults (routing.snapshot.PolicyInfo).
+    but the deployment and updated_at (policy_fields), with these defaults: routing.info.PolicyInfo holds them
+    again for the request path, without Django, and a test holds the two equal.
     """
 
     deployment = models.OneToOneField(

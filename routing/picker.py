@@ -13,7 +13,7 @@ from .scorers.queue import QUEUE_DEPTH_SCALE
 
 if TYPE_CHECKING:
     from .framework import Candidate, Choice, RequestContext, TieBreak
-    from .snapshot import PolicyInfo
+    from .info import PolicyInfo
 
 # Prefill work that counts as none among equals: two blocks' worth, a few milliseconds on an engine.
 PREFILL_TIE_TOKENS = 256

@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING
 
 from . import plugins  # noqa: F401  (registers the built-in plugins and modes)
 from .framework import REGISTRY, Candidate, Choice, Registry, RequestContext
+from .info import DECODE_ROLES
 from .load import EndpointLoad
 from .picker import Picker
-from .snapshot import DECODE_ROLES
 
 if TYPE_CHECKING:
-    from .snapshot import DeploymentInfo
+    from .info import DeploymentInfo
 
 # The mode a policy naming no registered mode gets (the database's choices allow none such).
 FALLBACK_MODE = "least_loaded"

@@ -19,12 +19,12 @@ from . import metrics
 from .affinity import ApproximateIndex, SessionMap
 from .blocks import PromptKeyCache, chain_seed
 from .conversion import RenderError
+from .info import DeploymentInfo
 from .loop_lag import late_by
 from .pipeline import Candidate, RequestContext
 from .prefix_health import PrefixHealth
 from .prefix_index import Held, PrefixIndex
 from .shared_tokens import Sharing
-from .snapshot import DeploymentInfo
 from .tokenize import RouterTokenizer
 from .tokenize_pool import TokenizePool, prompt_tokens
 

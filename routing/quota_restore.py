@@ -23,7 +23,8 @@ from tenants.periods import period_bounds
 
 from .admission import Admission, money_units
 from .contracts import quota_counters
-from .snapshot import QuotaInfo, _ceilings, _quota
+from .info import QuotaInfo
+from .snapshot import _ceilings, _quota
 
 log = logging.getLogger(__name__)
 

@@ -8,11 +8,9 @@ and price sheets; each replica reloads it when the shared config version in Redi
 from __future__ import annotations
 
 import bisect
-import enum
 import hmac
-from dataclasses import dataclass, field, make_dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
-from decimal import Decimal
 
 from django.conf import settings
 from django.db.models import Q
@@ -20,110 +18,20 @@ from django.utils import timezone
 
 from tenants.limits import LIMITS
 
-from .models import RoutingMode, RoutingPolicy, policy_fields
-
-
-@dataclass(frozen=True, slots=True)
-class KeyInfo:
-    id: int
-    prefix: str
-    team_id: int
-    tenant_id: int
-    scopes: frozenset[str]
-    expires_at: datetime | None
-    # vLLM's `cache_salt` for this key's tenant: its requests hit only KV blocks its own tenant (or the tenants of
-    # its shared cache group) computed.
-    cache_salt: str = ""
-    # The deployments it may call (ids), or None for every one served (tenants.models.Team.restrict_models).
-    deployments: frozenset[int] | None = None
-    priority_class: str = "standard"  # its requests' class: the key's, else its team's, within the tenant's
-    tenant_weight: int = 1  # fair share of its tenant among tenants, and of its team within the tenant
-    team_weight: int = 1
-
-    def may_call(self, deployment_id: int) -> bool:
-        return self.deployments is None or deployment_id in self.deployments
-
-
-@dataclass(frozen=True, slots=True)
-class EndpointInfo:
-    id: int
-    name: str
-    url: str
-    role: str
-    pool_id: int
-    kv_both: bool = False  # produces and consumes KV over NIXL: can take part in peer pulls
-    max_num_seqs: int = 256  # requests it runs at once; beyond them requests wait in its queue
-
-
-# Endpoint roles: the decode side (an aggregated engine does both) and the prefill side of a P/D deployment.
-DECODE_ROLES = ("both", "decode")
-PREFILL_ROLES = ("prefill",)
-
-
-def _plain(value):
-    return value.value if isinstance(value, enum.Enum) else value
-
-
-# A deployment's routing policy as the request path reads it: RoutingPolicy's fields (policy_fields), with the
-# model's defaults.
-PolicyInfo = make_dataclass(
-    "PolicyInfo",
-    [(f.name, type(_plain(f.default)), field(default=_plain(f.default))) for f in policy_fields()],
-    frozen=True,
-    slots=True,
+from .info import (
+    NO_POLICY,
+    DeploymentInfo,
+    EndpointInfo,
+    KeyInfo,
+    PolicyInfo,
+    Prices,
+    QuotaInfo,
 )
-PolicyInfo.__module__ = __name__
-# A deployment without a routing policy is routed round-robin.
-NO_POLICY = PolicyInfo(mode=RoutingMode.ROUND_ROBIN.value)
+from .models import RoutingPolicy, policy_fields
 
 
 def policy_info(policy: RoutingPolicy) -> PolicyInfo:
     return PolicyInfo(**{f.name: getattr(policy, f.name) for f in policy_fields()})
-
-
-@dataclass(frozen=True, slots=True)
-class DeploymentInfo:
-    id: int
-    name: str
-    served_model_name: str
-    max_model_len: int
-    block_size: int
-    policy: PolicyInfo
-    endpoints: tuple[EndpointInfo, ...]
-    created: int
-    tokenizer_path: str = ""
-    chat_template: str = ""  # the deployment's override of the model's own template
-    first_token_timeout: float = 600.0
-    stall_timeout: float = 120.0
-    engine_key: str = ""  # the bearer token its engines accept (serving/engine_keys.py)
-    # The tenants it is limited to (ids), or None for every tenant (serving.models.ModelDeployment.tenants).
-    tenants: frozenset[int] | None = None
-
-    def open_to(self, tenant_id: int) -> bool:
-        return self.tenants is None or tenant_id in self.tenants
-
-    @property
-    def has_prefill_pool(self) -> bool:
-        return any(e.role in PREFILL_ROLES for e in self.endpoints)
-
-
-# A quota as admission reads it: one attribute per quota kind (tenants/limits.py, None for no limit), and the period
-# its budgets count over.
-QuotaInfo = make_dataclass(
-    "QuotaInfo",
-    [*((limit.field, int | Decimal | None) for limit in LIMITS), ("budget_period", str)],
-    frozen=True,
-    slots=True,
-)
-QuotaInfo.__module__ = __name__
-
-
-@dataclass(frozen=True, slots=True)
-class Prices:
-    input_per_mtok: Decimal
-    cached_input_per_mtok: Decimal
-    output_per_mtok: Decimal
-    currency: str
 
 
 @dataclass

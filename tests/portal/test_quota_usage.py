@@ -10,7 +10,7 @@ from django.conf import settings
 from django.test import Client
 
 from routing.admission import Admission
-from routing.snapshot import QuotaInfo
+from routing.info import QuotaInfo
 from tenants.models import Quota
 
 

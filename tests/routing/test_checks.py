@@ -36,10 +36,11 @@ from routing.checks import (
     validate,
 )
 from routing.dialects import ANTHROPIC, OPENAI, RESPONSES
+from routing.info import DeploymentInfo, KeyInfo, PolicyInfo
 from routing.pipeline import RequestContext
 from routing.prefix import PrefixRouting
 from routing.redis_pool import router_redis
-from routing.snapshot import DeploymentInfo, KeyInfo, PolicyInfo, Snapshot
+from routing.snapshot import Snapshot
 from routing.tokenize import RouterTokenizer, token_ids
 
 from ..serving.engines import MODEL_DIR, MODEL_NAME

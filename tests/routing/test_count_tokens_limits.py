@@ -210,7 +210,7 @@ def test_a_large_count_does_not_stop_another_stream(streaming_fleet):
 def test_a_deployment_routed_by_the_prompt_has_its_tokenizer_and_workers_ready_before_its_first_request(
     transactional_db,
 ):
-    from routing.snapshot import DeploymentInfo, PolicyInfo
+    from routing.info import DeploymentInfo, PolicyInfo
 
     def deployment(id: int, mode: str) -> DeploymentInfo:
         return DeploymentInfo(

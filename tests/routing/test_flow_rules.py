@@ -22,9 +22,9 @@ from routing.flow import (
     saturated,
 )
 from routing.framework import RequestContext
+from routing.info import DeploymentInfo, EndpointInfo, KeyInfo, PolicyInfo
 from routing.load import EndpointLoad
 from routing.pipeline import Pipeline
-from routing.snapshot import DeploymentInfo, EndpointInfo, KeyInfo, PolicyInfo
 
 pytestmark = pytest.mark.unit  # pure functions: no database, Redis or process (make test-unit)
 

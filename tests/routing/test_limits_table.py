@@ -12,9 +12,10 @@ import redis.asyncio as aioredis
 from django.conf import settings
 
 from routing import admission as admission_module
+from routing import contracts as contracts_module
 from routing.admission import Admission
 from routing.contracts import quota_counters
-from routing.snapshot import QuotaInfo
+from routing.info import QuotaInfo
 from tenants import limits as limits_module
 from tenants.admin import QuotaAdmin, TenantAdmin
 from tenants.api.serializers import QuotaSerializer, TenantSerializer
@@ -54,6 +55,7 @@ def test_a_new_kind_of_quota_is_checked_counted_settled_and_shown_from_its_row_a
     """The scripts take every limit by name: a row added to the table is enforced with no other change."""
     table = (*LIMITS, CACHE_READS)
     monkeypatch.setattr(admission_module, "LIMITS", table)
+    monkeypatch.setattr(contracts_module, "LIMITS", table)
     monkeypatch.setattr(limits_module, "LIMITS", table)
     fields = {limit.field: None for limit in table}
     quota = SimpleNamespace(**{**fields, "cache_reads_per_minute": 250, "budget_period": "day"})

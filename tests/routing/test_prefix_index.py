@@ -15,11 +15,11 @@ from inference_platform.ports import free_port
 from routing import metrics
 from routing.affinity import ApproximateIndex
 from routing.blocks import block_keys, chain_seed, hex_keys
+from routing.info import DeploymentInfo, EndpointInfo, PolicyInfo
 from routing.load import EndpointLoad
 from routing.pipeline import Candidate
 from routing.prefix import PrefixRouting, index_vs_record
 from routing.prefix_index import BISECT_FROM_BLOCKS, Held, PrefixIndex
-from routing.snapshot import DeploymentInfo, EndpointInfo, PolicyInfo
 from routing.tokenize import token_ids
 
 

@@ -305,7 +305,7 @@ def test_a_dead_router_processs_journal_is_replayed_by_a_live_one(own_redis, tmp
 def test_a_replayed_settlement_is_applied_once(own_redis, tmp_path):
     """The settlement reached Redis but its reply was lost (so it was journaled too): the replay must not
     settle it again."""
-    from routing.snapshot import QuotaInfo
+    from routing.info import QuotaInfo
 
     quota = QuotaInfo(None, None, None, 5, 1000, None, "day")
 
@@ -349,7 +349,7 @@ def test_settlements_go_by_sha_and_a_redis_that_lost_the_script_settles_each_req
     """The finisher sends each settlement by its script's SHA, so a batch costs one round trip (no SCRIPT
     EXISTS first). A Redis that lost its scripts (flushed, as after a restart) answers NOSCRIPT: the batch is
     settled again as a replay, which loads the script, and each request is settled once."""
-    from routing.snapshot import QuotaInfo
+    from routing.info import QuotaInfo
 
     quota = QuotaInfo(None, None, None, 5, 1000, None, "day")
 
@@ -391,7 +391,7 @@ def test_settlements_go_by_sha_and_a_redis_that_lost_the_script_settles_each_req
 
 
 def test_a_slot_whose_settlement_failed_comes_back_within_a_lease(own_redis, tmp_path):
-    from routing.snapshot import QuotaInfo
+    from routing.info import QuotaInfo
 
     quota = QuotaInfo(None, None, None, 1, None, None, "day")
 

@@ -11,10 +11,11 @@ import pytest
 from routing.admin import RoutingPolicyAdmin
 from routing.api.serializers import RoutingPolicySerializer
 from routing.framework import REGISTRY, Registry
+from routing.info import NO_POLICY, DeploymentInfo, EndpointInfo, PolicyInfo
 from routing.load import EndpointLoad
 from routing.models import SCORER_WEIGHT_FIELDS, RoutingMode, RoutingPolicy, policy_fields
 from routing.pipeline import Pipeline, RequestContext
-from routing.snapshot import NO_POLICY, DeploymentInfo, EndpointInfo, PolicyInfo, load_snapshot
+from routing.snapshot import load_snapshot
 from serving.models import DesiredStatus, ModelDeployment
 
 
@@ -28,8 +29,9 @@ class PinnedScorer:
         return [1.0 if c.endpoint.id == self.endpoint_id else 0.0 for c in candidates]
 
 
-# The weight field a new scorer brings: on RoutingPolicy it is a model field, which PolicyInfo takes up by itself
-# (test_policy_info_is_the_models_fields_and_defaults); here a PolicyInfo with that one field more stands for it.
+# The weight field a new scorer brings: a model field on RoutingPolicy and the same field, with the same default, on
+# routing.info.PolicyInfo (test_policy_info_is_the_models_fields_and_defaults holds the two equal); here a
+# PolicyInfo with that one field more stands for it.
 PinnedPolicy = dataclasses.make_dataclass(
     "PinnedPolicy",
     [("pinned_weight", float, dataclasses.field(default=4.0))],

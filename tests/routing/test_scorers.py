@@ -7,12 +7,12 @@ from collections import Counter
 
 import pytest
 
+from routing.info import DeploymentInfo, EndpointInfo, PolicyInfo
 from routing.load import RECENT_WINDOW_S, EndpointLoad
 from routing.picker import prefill_ahead
 from routing.pipeline import Candidate, Pipeline, RequestContext
 from routing.prefix_index import Held
 from routing.scorers.prefix_match import distinct_shares
-from routing.snapshot import DeploymentInfo, EndpointInfo, PolicyInfo
 from routing.steps import request_weight
 
 pytestmark = pytest.mark.unit  # pure functions: no database, Redis or process (make test-unit)
