@@ -183,7 +183,7 @@ def test_only_an_entry_that_may_be_disaggregated_is_planned(extra_routes):
             deployment=SimpleNamespace(endpoints=()),
             ctx=RequestContext(model=model),
         )
-        exchange = SimpleNamespace(request=request, router=SimpleNamespace(), model=model)
+        exchange = SimpleNamespace(request=request, services=SimpleNamespace(), model=model)
         decode = SimpleNamespace(endpoint=SimpleNamespace(kv_both=False))
         prefilled = asyncio.run(prefill_elsewhere(exchange, decode, [], False))
         assert prefilled.body == b"{}" and not prefilled.remotely
