@@ -2,7 +2,7 @@
 
 Each check reads what the platform already records: the reconciler's observed status of each deployment
 (serving/), the local orchestrator's restart count per engine, the routers' per-minute prefix counters in Redis
-(routing/prefix_health.py), the usage stream in Redis (tenants/usage_stream.py), and the routers' usage journals
+(routing/kvindex/prefix_health.py), the usage stream in Redis (tenants/usage_stream.py), and the routers' usage journals
 (the journal directory when this machine has it, and the routers' /metrics where listed in
 ALERT_ROUTER_METRICS_URLS).
 """
@@ -20,7 +20,7 @@ import redis
 from django.conf import settings
 from prometheus_client.parser import text_string_to_metric_families
 
-from routing.prefix_health import MIN_REPORTED_TOKENS, prefix_health_for
+from routing.kvindex.prefix_health import MIN_REPORTED_TOKENS, prefix_health_for
 from serving.models import DesiredStatus, Endpoint, ModelDeployment, ObservedStatus
 from tenants.usage_stream import stream_key
 

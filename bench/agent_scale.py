@@ -141,7 +141,7 @@ def chars_per_token() -> float:
 @functools.cache
 def router_tokenizer():
     """The router's tokenizer for the model: the prompts' sizes as the router counts them."""
-    from routing.tokenize import RouterTokenizer
+    from routing.rendering.tokenize import RouterTokenizer
 
     return RouterTokenizer(ROOT / "models" / MODEL)
 
@@ -792,7 +792,7 @@ class Scraper(threading.Thread):
     def run(self) -> None:
         from django.db import close_old_connections
 
-        from routing.load_scraper import endpoint_loads_scrape
+        from routing.scheduling.load_scraper import endpoint_loads_scrape
 
         while not self.stop.wait(1.0):
             try:
@@ -806,7 +806,7 @@ class Scraper(threading.Thread):
 def start_router(procs: h.Processes, env: dict, tag: str, root: Path, kv_blocks: int):
     port = h.free_port()
     argv = [PYTHON, "-m", "uvicorn", "inference_platform.asgi:application", "--host", "127.0.0.1"]
-    http = h.ROUTER_HTTP if (root / "routing" / "http_server.py").exists() else "httptools"
+    http = h.router_http(root)
     argv += ["--port", str(port), "--loop", "uvloop", "--http", http, "--no-access-log"]
     argv += ["--workers", "1", "--log-level", "warning"]
     extra = {
@@ -930,7 +930,7 @@ class Bench:
                 if next(client.scan_iter(match=f"px:{deployment_id}:*", count=10_000), None) is None:
                     break
                 time.sleep(0.2)
-            keys = list(client.scan_iter(match="tok:*", count=10_000))  # routing/shared_tokens.py
+            keys = list(client.scan_iter(match="tok:*", count=10_000))  # routing/rendering/shared_tokens.py
             for i in range(0, len(keys), 500):
                 client.delete(*keys[i : i + 500])
         finally:

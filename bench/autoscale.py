@@ -163,7 +163,7 @@ class Control(threading.Thread):
     def run(self) -> None:
         from django.db import close_old_connections
 
-        from routing.load_scraper import endpoint_loads_scrape
+        from routing.scheduling.load_scraper import endpoint_loads_scrape
         from serving import services
         from serving.autoscaling import autoscale_all
         from serving.models import Pool

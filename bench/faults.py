@@ -558,7 +558,7 @@ def quota_gap(world: World, redis_url: str) -> tuple[int, int, int]:
     import redis
     from django.db.models import F, Max, Sum
 
-    from routing.admission import quota_counters
+    from routing.metering.admission import quota_counters
     from tenants.models import Quota, UsageRecord
 
     quota = Quota.objects.get(team_id=world.team_id)
@@ -903,7 +903,7 @@ class Bench:
         if row.missing:
             lost = [s for s in started if s.request_id not in rows]
             row.examples.append(f"missing e.g. {lost[0].request_id} ({lost[0].outcome})")
-        # The counters may take a beat's run to be restored (routing/quota_restore.py).
+        # The counters may take a beat's run to be restored (routing/metering/quota_restore.py).
         deadline = time.monotonic() + 40
         while True:
             counted, ledger, biggest = await asyncio.to_thread(

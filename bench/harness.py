@@ -33,7 +33,18 @@ from inference_platform.ports import free_port as free_port  # re-exported: the 
 ROOT = Path(__file__).resolve().parents[1]
 STATE = ROOT / ".local" / "bench"
 # The router's HTTP protocol, as deploy/base/router.yaml serves it (uvicorn's httptools with header limits).
-ROUTER_HTTP = "routing.http_server:LimitedHttpToolsProtocol"
+ROUTER_HTTP = "routing.server.http_server:LimitedHttpToolsProtocol"
+
+
+def router_http(source: Path) -> str:
+    """The router's HTTP protocol in a checkout (`source`: this one, or a worktree of an older commit for a
+    baseline): where that tree keeps it, or plain httptools for a tree from before it had its own."""
+    for module in ("routing.server.http_server", "routing.http_server"):
+        if (source / (module.replace(".", "/") + ".py")).exists():
+            return f"{module}:LimitedHttpToolsProtocol"
+    return "httptools"
+
+
 PYTHON = sys.executable
 MODEL = "tiny-qwen"  # models/tiny-qwen: the simulated engines' model
 # The peers the gateway benchmarks compare against, installed on first use into .local/bench/<name>.
@@ -272,7 +283,7 @@ def scrape_loads(procs: Processes) -> None:
     def scrape() -> None:
         from django.db import close_old_connections
 
-        from routing.load_scraper import endpoint_loads_scrape
+        from routing.scheduling.load_scraper import endpoint_loads_scrape
 
         while not stop.wait(1.0):
             try:

@@ -50,8 +50,8 @@ def row(name: str, samples_ms: list[float], note: str = "") -> tuple:
 async def bench_lookup(redis_url: str) -> list[tuple]:
     import redis.asyncio as aioredis
 
-    from routing.blocks import block_keys, chain_seed, hex_keys
-    from routing.prefix_index import PrefixIndex
+    from routing.kvindex.blocks import block_keys, chain_seed, hex_keys
+    from routing.kvindex.prefix_index import PrefixIndex
 
     client = aioredis.Redis.from_url(redis_url)
     rng = random.Random(1)
@@ -98,7 +98,7 @@ async def bench_lookup(redis_url: str) -> list[tuple]:
 
 
 def bench_tokenize() -> list[tuple]:
-    from routing.tokenize import RouterTokenizer
+    from routing.rendering.tokenize import RouterTokenizer
 
     tokenizer = RouterTokenizer(ROOT / "models" / "tiny-qwen")
     source = (Path(os.__file__).parent / "typing.py").read_text()
@@ -212,14 +212,14 @@ async def bench_agent_turn(redis_url: str) -> list[tuple]:
     import orjson
     import redis.asyncio as aioredis
 
-    from routing.blocks import PromptKeyCache, block_keys, chain_seed, hex_keys
-    from routing.prefix_index import PrefixIndex
-    from routing.tokenize import RouterTokenizer
+    from routing.kvindex.blocks import PromptKeyCache, block_keys, chain_seed, hex_keys
+    from routing.kvindex.prefix_index import PrefixIndex
+    from routing.rendering.tokenize import RouterTokenizer
 
     client = aioredis.Redis.from_url(redis_url)
     index = PrefixIndex(client)
     rows = []
-    # As the router runs (routing/app.py): long-lived objects frozen, young collections every 50,000 objects.
+    # As the router runs (routing/server/app.py): long-lived objects frozen, young collections every 50,000 objects.
     gc.collect()
     gc.freeze()
     gc.set_threshold(50_000, 20, 20)

@@ -80,8 +80,8 @@ def clean(client: redis.Redis) -> None:
 
 
 def ingester(client: redis.Redis):
-    from routing.kv_ingest import Source
-    from routing.kv_ingest_stream import KVIngester
+    from routing.kvindex.kv_ingest import Source
+    from routing.kvindex.kv_ingest_stream import KVIngester
 
     ing = KVIngester(client)
     ing.sources[1] = Source(1, 1, "bench-model", "http://127.0.0.1:1")

@@ -232,7 +232,7 @@ def start_router(
     """Our router, from this checkout or from `source` (a worktree of another commit, for --baseline)."""
     port = free_port()
     argv = [PYTHON, "-m", "uvicorn", "inference_platform.asgi:application", "--host", "127.0.0.1"]
-    # A baseline from before the router's own protocol (routing/http_server.py) runs on plain httptools.
+    # A baseline from before the router's own protocol (routing/server/http_server.py) runs on plain httptools.
     http = ROUTER_HTTP if (source / "routing" / "http_server.py").exists() else "httptools"
     argv += ["--port", str(port), "--loop", "uvloop", "--http", http, "--no-access-log"]
     argv += ["--workers", "1", "--log-level", "warning"]

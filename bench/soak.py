@@ -60,7 +60,7 @@ from pathlib import Path
 from bench import agent_scale as a
 from bench import harness as h
 from bench.docs_section import write_section
-from routing.kv_ingest import engine_hash
+from routing.kvindex.kv_ingest import engine_hash
 
 ROOT, PYTHON, MODEL, STATE = h.ROOT, h.PYTHON, h.MODEL, h.STATE
 log = h.log
@@ -124,7 +124,7 @@ class EngineBlocks(threading.Thread):
     def run(self) -> None:
         import zmq
 
-        from routing.kv_ingest import decode_payload
+        from routing.kvindex.kv_ingest import decode_payload
 
         ctx = zmq.Context()
         poller = zmq.Poller()

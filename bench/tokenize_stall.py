@@ -1,5 +1,5 @@
 """How long one large prompt stops the router's other streams while it is tokenized, with the tokenizing pool
-(routing/tokenize_pool.py) and without it (ROUTER_TOKENIZE_PROCESSES=0: every prompt on the router's tokenizing
+(routing/rendering/tokenize_pool.py) and without it (ROUTER_TOKENIZE_PROCESSES=0: every prompt on the router's tokenizing
 thread, as before the pool).
 
     .venv/bin/python -m bench.tokenize_stall [--sizes 1000000,2600000] [--crossover]
@@ -84,8 +84,8 @@ async def _stall_of(work) -> tuple[float, float]:
 async def crossover(sizes: list[int]) -> list[str]:
     import orjson
 
-    from routing.tokenize import RouterTokenizer
-    from routing.tokenize_pool import TokenizePool, prompt_tokens
+    from routing.rendering.tokenize import RouterTokenizer
+    from routing.rendering.tokenize_pool import TokenizePool, prompt_tokens
 
     folder = ROOT / "models" / MODEL
     tokenizer = RouterTokenizer(folder)
@@ -234,7 +234,7 @@ def against_router(sizes: list[int]) -> list[str]:
                 "--port",
                 str(router_port),
             ]
-            argv += ["--loop", "uvloop", "--http", "routing.http_server:LimitedHttpToolsProtocol"]
+            argv += ["--loop", "uvloop", "--http", "routing.server.http_server:LimitedHttpToolsProtocol"]
             argv += ["--no-access-log", "--log-level", "warning"]
             router_env = {
                 **env,

@@ -395,7 +395,7 @@ def serve(env: dict[str, str]) -> int:
             "--loop",
             "uvloop",
             "--http",
-            "routing.http_server:LimitedHttpToolsProtocol",  # with limits on request headers
+            "routing.server.http_server:LimitedHttpToolsProtocol",  # with limits on request headers
             "--no-access-log",
         ],
         # Threads: reconciles wait on processes and HTTP, not on the CPU.

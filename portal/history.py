@@ -20,7 +20,7 @@ from django.db import connection, transaction
 from django.utils import timezone
 
 from routing.contracts import LOAD_KEY, PREFIX_HEALTH_KEY, REPLICA_LOAD_KEY, others_load
-from routing.prefix_health import WINDOW_MINUTES
+from routing.kvindex.prefix_health import WINDOW_MINUTES
 from serving.models import Endpoint, Health, Pool
 from tenants.usage_series import keep_after, usage_series_prune
 

@@ -3,7 +3,7 @@
 Fed from the usage stream and the ledger together: an event stays in the stream until its ledger row has
 committed, so every recent request is in one or the other (or both, counted once by request id).
 
-Flow control (routing/flow.py) per deployment, by priority class and tenant: the requests waiting in the
+Flow control (routing/scheduling/flow.py) per deployment, by priority class and tenant: the requests waiting in the
 routers now (each router replica publishes its queue in the hash `flow:queue:<deployment id>`, a field per
 replica; a replica's entry gone stale is left out, routing/contracts.py), and from the window's usage events
 the dispatches (the requests not rejected) and the wait in the queue (`queued_ms`, of every request that has one:

@@ -91,7 +91,7 @@ class PoolSeries(models.Model):
 
 class PrefixSeries(models.Model):
     """Cached tokens the routers predicted for a deployment, and those its engines reported, per step (the
-    routers' per-minute counters in Redis, routing/prefix_health.py, copied here before they expire)."""
+    routers' per-minute counters in Redis, routing/kvindex/prefix_health.py, copied here before they expire)."""
 
     step_s = models.PositiveIntegerField()
     start = models.DateTimeField()

@@ -153,7 +153,7 @@ def _prefix_health(deployment):
     import redis
     from django.conf import settings
 
-    from routing.prefix_health import prefix_health_for
+    from routing.kvindex.prefix_health import prefix_health_for
 
     try:
         return prefix_health_for(redis.Redis.from_url(settings.REDIS_URL), deployment.pk)

@@ -1,11 +1,10 @@
 from django.contrib import admin
 
+from routing.models import RoutingPolicy, policy_fields
+from routing.scheduling import REGISTRY
 from tenants.admin_audit import AuditedAdmin
 
-from .models import RoutingPolicy, policy_fields
-from .plugins import REGISTRY
-
-# The flow-control settings (routing/flow.py): when a deployment counts as saturated, and how long each class
+# The flow-control settings (routing/scheduling/flow.py): when a deployment counts as saturated, and how long each class
 # may wait in the router.
 FLOW_CONTROL_FIELDS = [
     f.name
@@ -17,7 +16,7 @@ FLOW_CONTROL_FIELDS = [
 @admin.register(RoutingPolicy)
 class RoutingPolicyAdmin(AuditedAdmin):
     audit_name = "routing_policy"
-    # The scorers' weights, as registered (routing/plugins.py).
+    # The scorers' weights, as registered (routing/scheduling/__init__.py).
     list_display = [
         "deployment",
         "mode",

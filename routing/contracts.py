@@ -26,7 +26,7 @@ from tenants.periods import period_bounds
 CONFIG_VERSION_KEY = "platform:config:version"
 
 # --- the engines' load, scraped ------------------------------------------------------------------------------
-# A hash per endpoint: running, waiting, kv_usage, prefix_hits, prefix_queries (routing/load_scraper.py writes it
+# A hash per endpoint: running, waiting, kv_usage, prefix_hits, prefix_queries (routing/scheduling/load_scraper.py writes it
 # from the engine's /metrics every second; the router replicas, the drain, the autoscaler and the portal read it).
 LOAD_KEY = "endpoint:load:{}"
 LOAD_TTL_S = 10
@@ -36,12 +36,12 @@ LOAD_TTL_S = 10
 # every ROUTER_LOAD_SHARE_SECONDS. A field older than MAX_AGE_S is a replica gone.
 TTL_S = 10  # a hash outlives the last replica that wrote it by this long
 MAX_AGE_S = 3.0
-# Per endpoint: "<own load> <in flight> <unix time> <prefill backlog>" (routing/load.py; read by the drain, the
+# Per endpoint: "<own load> <in flight> <unix time> <prefill backlog>" (routing/scheduling/load.py; read by the drain, the
 # autoscaler and the portal too).
 REPLICA_LOAD_KEY = "endpoint:replica-load:{}"
-# Per deployment: {"at": unix time, "work": {"t<tenant id>" | "m<team id>": decayed work}} (routing/flow.py).
+# Per deployment: {"at": unix time, "work": {"t<tenant id>" | "m<team id>": decayed work}} (routing/scheduling/flow.py).
 SERVED_KEY = "flow:served:{}"
-# Per deployment: {"at": unix time, "saturated": bool, "queued": [[class, tenant id, count], ...]} (routing/flow.py;
+# Per deployment: {"at": unix time, "saturated": bool, "queued": [[class, tenant id, count], ...]} (routing/scheduling/flow.py;
 # read by the portal's live page).
 QUEUE_KEY = "flow:queue:{}"
 
@@ -132,8 +132,8 @@ def others_work(published: dict, replica_id: str, wall: float, tau: float) -> di
 
 
 # --- the prefix index ----------------------------------------------------------------------------------------
-# Written by the KV-event ingester (routing/kv_ingest.py) and the routers' speculative entries
-# (routing/prefix_index.py), read by the routers; the drain removes a drained endpoint's entries.
+# Written by the KV-event ingester (routing/kvindex/kv_ingest.py) and the routers' speculative entries
+# (routing/kvindex/prefix_index.py), read by the routers; the drain removes a drained endpoint's entries.
 
 
 def block_hash_key(deployment_id: int, block_key: str) -> str:
@@ -148,14 +148,14 @@ def endpoint_map_key(endpoint_id: int) -> str:
 
 # --- prefix routing's health ---------------------------------------------------------------------------------
 # Per deployment and minute since the epoch: the cached tokens the routers predicted and the engines reported, and
-# the requests they could not render (the routers add, routing/prefix_health.py; the portal and its history read).
+# the requests they could not render (the routers add, routing/kvindex/prefix_health.py; the portal and its history read).
 PREFIX_HEALTH_KEY = "prefix:health:{}:{}"
 # Per deployment: {endpoint id: why the ingester cannot key its blocks} (the KV-event ingester writes; the routers
 # and the portal read).
 PREFIX_BLIND_KEY = "prefix:blind:{}"
 
 # --- token ids shared across replicas ------------------------------------------------------------------------
-# "tok:<tokenizer fingerprint>:<piece digest>": a piece's token ids (routing/shared_tokens.py; every replica and
+# "tok:<tokenizer fingerprint>:<piece digest>": a piece's token ids (routing/rendering/shared_tokens.py; every replica and
 # its tokenizing workers write and read).
 SHARED_TOKENS_PREFIX = "tok"
 
@@ -170,7 +170,7 @@ AUTOSCALE_HISTORY_KEY = "autoscale:history:{}"
 # A counter per scope ("tenant", "team", "key") and limit of the limits table (tenants/limits.py): a minute's named
 # by its minute (minutes since the epoch), a budget's by its period and start; the running requests' slots one
 # sorted set (member: request id, score: its lease deadline). The routers' admission scripts write them
-# (routing/admission.py); the worker restores them from the ledger (routing/quota_restore.py) and the portal shows
+# (routing/metering/admission.py); the worker restores them from the ledger (routing/metering/quota_restore.py) and the portal shows
 # them. Money is counted in units of 1/MONEY_SCALE of the currency.
 MONEY_SCALE = Decimal("100000000")
 
@@ -215,6 +215,6 @@ def quota_counters(redis_client, *, kind: str, ident: int, quota) -> dict:
 # --- usage ---------------------------------------------------------------------------------------------------
 # Redis's identity for the usage stream: a random value set when missing. A new value means Redis lost its data
 # (restarted empty, or failed over to a replica that had not got the latest writes), and with it the events not
-# yet in the ledger; each router replica then appends again what it wrote lately (routing/finisher.py; the
+# yet in the ledger; each router replica then appends again what it wrote lately (routing/metering/finisher.py; the
 # ledger ignores a request id it holds).
 USAGE_EPOCH_KEY = "usage:epoch"

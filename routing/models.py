@@ -9,7 +9,7 @@ from django.db.models import Q
 unit_interval = [MinValueValidator(0.0), MaxValueValidator(1.0)]
 
 
-# The policy's fields that weigh a scorer: each is named by one scorer's registration (routing/plugins.py), and the
+# The policy's fields that weigh a scorer: each is named by one scorer's registration (routing/scheduling/__init__.py), and the
 # database holds them to at least 0. Kept here, not read off the registry, so the model and its migrations depend on
 # nothing registered at run time; a test holds the two equal.
 SCORER_WEIGHT_FIELDS = (
@@ -32,7 +32,7 @@ class RoutingPolicy(models.Model):
     """Scorer weights and thresholds for one deployment.
 
     Each scorer returns a score in [0, 1] per endpoint; the weights combine them and the best total wins. Which
-    field weighs which scorer is registered with the scorer (routing/plugins.py). The router reads every field
+    field weighs which scorer is registered with the scorer (routing/scheduling/__init__.py). The router reads every field
     but the deployment and updated_at (policy_fields), with these defaults: routing.info.PolicyInfo holds them
     again for the request path, without Django, and a test holds the two equal.
     """
@@ -61,7 +61,7 @@ class RoutingPolicy(models.Model):
     pd_split_threshold_tokens = models.PositiveIntegerField(
         default=1024, help_text="Split prefill from decode when the uncached prompt reaches this many tokens."
     )
-    # Flow control (routing/flow.py, docs/flow-control.md): while the deployment is saturated, new requests wait in
+    # Flow control (routing/scheduling/flow.py, docs/flow-control.md): while the deployment is saturated, new requests wait in
     # the router, served by priority class, then by weighted fair share of work across tenants and their teams.
     flow_control = models.BooleanField(
         default=True,
@@ -132,7 +132,7 @@ def policy_fields() -> tuple[models.Field, ...]:
 
 
 class TrafficTraceEntry(models.Model):
-    """One sampled request of our own traffic, as a replay needs it (routing/traffic_trace.py): when it arrived,
+    """One sampled request of our own traffic, as a replay needs it (routing/metering/traffic_trace.py): when it arrived,
     whose it was (ids), its session and prompt blocks as keyed hashes, and its token counts. No text, no token ids.
     Ids are plain numbers, not relations: the trace outlives a deleted key, and the worker's drain never fails on
     one. Rows older than ROUTER_TRAFFIC_TRACE_KEEP_DAYS are pruned."""

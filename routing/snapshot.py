@@ -16,9 +16,7 @@ from django.conf import settings
 from django.db.models import Q
 from django.utils import timezone
 
-from tenants.limits import LIMITS
-
-from .info import (
+from routing.info import (
     NO_POLICY,
     DeploymentInfo,
     EndpointInfo,
@@ -27,7 +25,8 @@ from .info import (
     Prices,
     QuotaInfo,
 )
-from .models import RoutingPolicy, policy_fields
+from routing.models import RoutingPolicy, policy_fields
+from tenants.limits import LIMITS
 
 
 def policy_info(policy: RoutingPolicy) -> PolicyInfo:

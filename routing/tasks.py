@@ -1,6 +1,6 @@
 from celery import shared_task
 
-from .load_scraper import endpoint_loads_scrape
+from routing.scheduling.load_scraper import endpoint_loads_scrape
 
 
 def _with_redis(work):
@@ -23,8 +23,8 @@ def scrape_engine_metrics() -> int:
 
 @shared_task(ignore_result=True)
 def restore_quota_counters() -> list[str]:
-    """Every few seconds: budget counters Redis lost raised back to the ledger (routing/quota_restore.py)."""
-    from .quota_restore import quota_counters_restore
+    """Every few seconds: budget counters Redis lost raised back to the ledger (routing/metering/quota_restore.py)."""
+    from routing.metering.quota_restore import quota_counters_restore
 
     return _with_redis(quota_counters_restore)
 
@@ -32,7 +32,7 @@ def restore_quota_counters() -> list[str]:
 @shared_task(ignore_result=True)
 def drain_traffic_trace() -> int:
     """Every few seconds: the routers' sampled traffic trace from its Redis stream into the database."""
-    from .traffic_trace import traffic_trace_drain
+    from routing.metering.traffic_trace import traffic_trace_drain
 
     return _with_redis(traffic_trace_drain)
 
@@ -40,6 +40,6 @@ def drain_traffic_trace() -> int:
 @shared_task(ignore_result=True)
 def prune_traffic_trace() -> int:
     """Hourly: traffic trace entries past ROUTER_TRAFFIC_TRACE_KEEP_DAYS deleted."""
-    from .traffic_trace import traffic_trace_prune
+    from routing.metering.traffic_trace import traffic_trace_prune
 
     return traffic_trace_prune()

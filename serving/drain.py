@@ -48,7 +48,7 @@ def in_flight(redis, endpoint: Endpoint) -> float:
 
 def engine_busy(url: str) -> float | None:
     """The engine's running and waiting requests from its /metrics now; None when it does not answer."""
-    from routing.load_scraper import parse_load
+    from routing.scheduling.load_scraper import parse_load
 
     try:
         response = httpx.get(f"{url.rstrip('/')}/metrics", timeout=ENGINE_METRICS_TIMEOUT_S)

@@ -307,7 +307,7 @@ def render_engine_command(*, deployment: ModelDeployment, pool: Pool, ports: Eng
     if pool.enable_expert_parallel:
         argv.append("--enable-expert-parallel")
     if settings.ENGINE_TRACES_ENDPOINT and deployment.engine_kind != EngineKind.SIM:
-        # vLLM exports its request spans there, under the traceparent the router sends (routing/tracing.py).
+        # vLLM exports its request spans there, under the traceparent the router sends (routing/server/tracing.py).
         argv += ["--otlp-traces-endpoint", settings.ENGINE_TRACES_ENDPOINT]
     argv += [str(arg) for arg in pool.extra_engine_args or []]
 

@@ -118,7 +118,7 @@ class ModelDeployment(models.Model):
         validators=[validate_chat_template],
         help_text="A Jinja chat template that replaces the model's own. Blank: the model's own.",
     )
-    # How long the router waits on an engine (routing/app.py): for the first token of a streamed answer (the
+    # How long the router waits on an engine (routing/server/app.py): for the first token of a streamed answer (the
     # whole of an answer not streamed), then between two pieces of a stream. An engine that sends nothing in
     # time is given up: for another engine while nothing has reached the client, with an error event after.
     first_token_timeout_s = models.PositiveIntegerField(

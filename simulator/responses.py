@@ -14,7 +14,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from routing.conversion import CUSTOM_TOOL_INPUT, flat_tool_name, responses_tool_names
+from routing.rendering.conversion import CUSTOM_TOOL_INPUT, flat_tool_name, responses_tool_names
 
 from .errors import ApiError, invalid, literal_problem, problem, validation_error
 
@@ -88,7 +88,7 @@ ITEM_TYPES = frozenset(
 class ResponsesCall:
     """A checked Responses request: the chat request it renders as, and what its answer needs."""
 
-    body: dict  # rendered by routing.conversion.responses_chat_request, as the router renders it
+    body: dict  # rendered by routing.rendering.conversion.responses_chat_request, as the router renders it
     tool_choice: object  # as the Response echoes it
     plan_choice: object  # the same in chat-completions form, for the simulator's tool-call rule
     tool_names: dict[str, tuple[str, str | None]] = field(

@@ -26,15 +26,15 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from routing.conversion import (
+from routing.rendering.conversion import (
     ChatInputs,
     RenderError,
     anthropic_chat_request,
     chat_inputs,
     responses_chat_request,
 )
-from routing.routes import ANTHROPIC_MESSAGES, CHAT_MESSAGES, PROMPT_TEXT, RESPONSES_INPUT, ROUTES
-from routing.tokenize import rejects_inline_system, template_traits
+from routing.rendering.routes import ANTHROPIC_MESSAGES, CHAT_MESSAGES, PROMPT_TEXT, RESPONSES_INPUT, ROUTES
+from routing.rendering.tokenize import rejects_inline_system, template_traits
 from serving.engine_plugins.tool_arguments import example_arguments
 
 from . import fields
@@ -312,7 +312,7 @@ class SimulatorApp:
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
-        # The generation routes are the router's (routing/routes.py), each served as vLLM serves its kind.
+        # The generation routes are the router's (routing/rendering/routes.py), each served as vLLM serves its kind.
         generation = {
             PROMPT_TEXT: self.completions,
             CHAT_MESSAGES: self.chat_completions,
@@ -811,7 +811,7 @@ class SimulatorApp:
         return _json_response(exc.body(), exc.status)
 
     def _responses_prompt(self, call: responses_api.ResponsesCall) -> ChatPrompt:
-        """The prompt of a Responses request: the chat request it becomes (routing.conversion, shared with the
+        """The prompt of a Responses request: the chat request it becomes (routing.rendering.conversion, shared with the
         router), rendered as chat is."""
         body = call.body
         if body.get("input") == []:
@@ -1233,7 +1233,7 @@ class SimulatorApp:
 
     def _chat_prompt(self, body: dict, choice=None) -> ChatPrompt:
         """A chat request's prompt token ids and what its template saw, rendered from the request's chat inputs
-        (routing.conversion.chat_inputs, the router's own conversion) and cached by them: agents and benchmarks
+        (routing.rendering.conversion.chat_inputs, the router's own conversion) and cached by them: agents and benchmarks
         resend the same context over and over."""
         exclude_tools = self.model.exclude_tools_when_tool_choice_none and choice == "none"
         fields = ("messages", "tools", "add_generation_prompt", "continue_final_message")

@@ -15,7 +15,7 @@ from array import array
 from collections import OrderedDict
 from functools import cached_property
 
-from routing.conversion import ChatInputs
+from routing.rendering.conversion import ChatInputs
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 logging.getLogger("transformers").setLevel(logging.ERROR)

@@ -1,5 +1,5 @@
 """The quota kinds, one row each. Everything else about a kind is built from its row: the quota's counters and
-checks in Redis (routing/admission.py), the router's view of a quota (routing.snapshot.QuotaInfo), the tenant's
+checks in Redis (routing/metering/admission.py), the router's view of a quota (routing.snapshot.QuotaInfo), the tenant's
 ceiling for it, the admin's and the API's fields, the portal's rows and the refusal's message. A new kind is a
 `Quota` field (with its `Tenant` ceiling), a row here, and their migration.
 

@@ -102,7 +102,7 @@ class Tenant(models.Model):
         "and keys above it.",
     )
     # Quota ceilings, set by operators only, so that they can serve as a credit limit: what the tenant's teams and
-    # keys may use together (the router counts them as one scope, routing/admission.py), and what its admins may
+    # keys may use together (the router counts them as one scope, routing/metering/admission.py), and what its admins may
     # give any one team or key at most.
     max_requests_per_minute = ceiling_field(models.PositiveIntegerField, "most requests per minute")
     max_input_tokens_per_minute = ceiling_field(

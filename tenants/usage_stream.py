@@ -18,7 +18,7 @@ The contract
   entries no worker has written yet. If ingestion stalls the stream grows; its length and the age of its oldest
   entry are the ingestion lag, on the router's /metrics (`usage_stream_lag_entries`,
   `usage_stream_oldest_age_seconds`). When Redis refuses to grow it further (maxmemory), the routers journal
-  usage locally (routing/journal.py) rather than lose it.
+  usage locally (routing/metering/journal.py) rather than lose it.
 
 Ingestion is at-least-once from Redis and exactly-once in Postgres: rows are inserted with ON CONFLICT
 (request_id) DO NOTHING in one transaction, and entries are acknowledged only after that commits. Entries a

@@ -1,8 +1,7 @@
 from rest_framework import serializers
 
 from inference_platform.model_validation import ModelCleanMixin
-
-from ..models import RoutingPolicy, policy_fields
+from routing.models import RoutingPolicy, policy_fields
 
 
 class RoutingPolicySerializer(ModelCleanMixin, serializers.ModelSerializer):

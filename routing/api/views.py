@@ -1,9 +1,8 @@
 from rest_framework import permissions
 
 from inference_platform.api_base import AuditedModelViewSet, access_of
-
-from ..models import RoutingPolicy
-from .serializers import RoutingPolicySerializer
+from routing.api.serializers import RoutingPolicySerializer
+from routing.models import RoutingPolicy
 
 
 class OperatorsOnly(permissions.BasePermission):

@@ -71,7 +71,7 @@ ENGINE_KEY_ANNOTATION = "inference-platform/engine-key-sha256"
 # The platform's own pods, as deploy/base labels them, and the namespace they run in.
 PLATFORM_NAME_LABEL = "app.kubernetes.io/name"
 ROUTER_PODS = "router"
-WORKER_PODS = "worker"  # scrapes the engines' /metrics (routing/load_scraper.py)
+WORKER_PODS = "worker"  # scrapes the engines' /metrics (routing/scheduling/load_scraper.py)
 KV_INGESTER_PODS = "kv-ingester"
 DEFAULT_PLATFORM_NAMESPACE = "inference-platform"
 # The cluster DNS, as kubeadm, EKS, GKE and AKS label CoreDNS (or kube-dns).

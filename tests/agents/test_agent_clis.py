@@ -28,7 +28,7 @@ import httpx
 import pytest
 from django.conf import settings
 
-from routing.tokenize import RouterTokenizer
+from routing.rendering.tokenize import RouterTokenizer
 from serving.engine_command import ANSWER_LENGTH_PROCESSOR, TOOL_CALLS_PROCESSOR, simulated_model_args
 from serving.management.commands.bootstrap_demo import DEMO_MAX_MODEL_LEN
 from serving.models import ModelDeployment

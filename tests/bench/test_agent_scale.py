@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from bench import agent_scale as a
-from routing.tokenize import RouterTokenizer
+from routing.rendering.tokenize import RouterTokenizer
 
 unit = pytest.mark.unit  # pure functions: no database, Redis or process (make test-unit)
 

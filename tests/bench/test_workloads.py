@@ -132,7 +132,7 @@ def test_router_costs_read_the_routers_own_metrics_summed_over_replicas():
 def _chat(dialect: str):
     from pathlib import Path
 
-    from routing.tokenize import RouterTokenizer
+    from routing.rendering.tokenize import RouterTokenizer
 
     tokenizer = RouterTokenizer(Path(__file__).resolve().parents[2] / "models" / "tiny-qwen")
     return wl.chat_agentic(dialect, 3, 6.0, 8, tokenizer, 20_000), tokenizer

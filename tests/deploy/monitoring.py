@@ -1,6 +1,6 @@
 """What deploy/monitoring's dashboards and rules query, and what the platform exports, for the tests beside.
 
-The exported names come from the code's own registries: the router's (routing/metrics.py, with the usage
+The exported names come from the code's own registries: the router's (routing/server/metrics.py, with the usage
 finisher's gauges), the control plane's collector (control_metrics/collector.py, by its describe(), so no
 database is read) and the engines' (the simulator exports vLLM's names: simulator/metrics.py).
 """
@@ -53,8 +53,8 @@ def _series(families) -> set[str]:
 
 
 def router_series() -> set[str]:
-    import routing.finisher  # noqa: F401  (registers the usage stream's and journal's gauges)
-    from routing import metrics
+    import routing.metering.finisher  # noqa: F401  (registers the usage stream's and journal's gauges)
+    from routing.server import metrics
 
     return _series(metrics.registry.collect())
 

@@ -11,7 +11,7 @@ import subprocess
 import pytest
 import yaml
 
-from routing import prefix_health
+from routing.kvindex import prefix_health
 
 from .monitoring import MONITORING, RULE_TESTS, RULES, alerting_rules, exported_series, metric_names
 

@@ -28,8 +28,8 @@ GUNICORN_ERROR = "[2026-12-04 06:57:09 +0000] [14425] [ERROR] Exception in ASGI 
 UVICORN_INFO = "INFO:     Uvicorn running on http://127.0.0.1:8080 (Press CTRL+C to quit)"
 UVICORN_WARNING = "WARNING:  Invalid HTTP request received."
 # Python logging with the level first ("%(levelname)s %(name)s: %(message)s", or logging's default format).
-LOGGING_INFO = "INFO routing.kv_ingest_stream: following endpoint 1"
-LOGGING_WARNING = "WARNING:routing.kv_ingest:dropped 3 events from an unknown engine"
+LOGGING_INFO = "INFO routing.kvindex.kv_ingest_stream: following endpoint 1"
+LOGGING_WARNING = "WARNING:routing.kvindex.kv_ingest:dropped 3 events from an unknown engine"
 
 
 def _shown(lines: list[str]) -> list[str]:
@@ -50,7 +50,7 @@ def test_it_judges_a_record_by_its_level_not_by_its_words():
 def test_it_keeps_a_records_continuation_lines_with_it():
     traceback = [
         "Traceback (most recent call last):",
-        '  File "routing/app.py", line 1, in <module>',
+        '  File "routing/server/app.py", line 1, in <module>',
         "ValueError: bad",
     ]
     lines = [CELERY_INFO, "  an INFO record's second line", CELERY_WARNING, "  its second line", *traceback]

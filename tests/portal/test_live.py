@@ -71,7 +71,7 @@ def test_live_traffic_counts_each_request_once_from_stream_or_ledger(world, stre
 
 @pytest.fixture
 def queues(world):
-    """Publish a router replica's queue for a deployment, as routing/flow.py does."""
+    """Publish a router replica's queue for a deployment, as routing/scheduling/flow.py does."""
     keys = set()
 
     def publish(deployment, replica: str, queued: list, *, age_s: float = 0.0, saturated: bool = True):

@@ -9,8 +9,8 @@ import redis.asyncio as aioredis
 from django.conf import settings
 from django.test import Client
 
-from routing.admission import Admission
 from routing.info import QuotaInfo
+from routing.metering.admission import Admission
 from tenants.models import Quota
 
 

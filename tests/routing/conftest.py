@@ -80,7 +80,7 @@ def start_router(env_extra: dict | None = None) -> RouterProcess:
                 "--loop",
                 "uvloop",
                 "--http",
-                "routing.http_server:LimitedHttpToolsProtocol",
+                "routing.server.http_server:LimitedHttpToolsProtocol",
                 "--no-access-log",
             ],
             cwd=ROOT,

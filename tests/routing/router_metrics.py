@@ -1,5 +1,5 @@
 """The router's /metrics as its operator's scraper reads them: with `Authorization: Bearer <ROUTER_METRICS_TOKEN>`
-(routing/app.py refuses anyone else)."""
+(routing/server/app.py refuses anyone else)."""
 
 from __future__ import annotations
 

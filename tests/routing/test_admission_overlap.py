@@ -15,9 +15,9 @@ from urllib.parse import urlsplit
 import httpx
 from django.conf import settings
 
-from routing.admission import ADMIT
+from routing.kvindex.prefix_index import LOOKUP_BISECT, LOOKUP_WALK
+from routing.metering.admission import ADMIT
 from routing.models import RoutingPolicy
-from routing.prefix_index import LOOKUP_BISECT, LOOKUP_WALK
 
 from ..serving.engines import MODEL_NAME
 from .conftest import make_fleet, set_quota, start_router

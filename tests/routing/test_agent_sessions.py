@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 
 from routing.models import RoutingPolicy
-from routing.sessions import MAX_SESSION_CHARS, session_key
+from routing.server.sessions import MAX_SESSION_CHARS, session_key
 from tenants.keys import api_key_create
 from tenants.models import Scope, Team, Tenant
 

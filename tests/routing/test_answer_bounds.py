@@ -13,8 +13,8 @@ import httpx
 import pytest
 from aiohttp import web
 
-from routing.dialects import ANTHROPIC, OPENAI, RESPONSES
-from routing.exchange import UsageFinder
+from routing.rendering.dialects import ANTHROPIC, OPENAI, RESPONSES
+from routing.server.exchange import UsageFinder
 
 from ..serving.engines import MODEL_NAME
 from .conftest import make_fleet, start_router

@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from routing.chat_render import Ineligible, SplitTemplate
-from routing.tokenize import RouterTokenizer, TemplateSandbox
+from routing.rendering.chat_render import Ineligible, SplitTemplate
+from routing.rendering.tokenize import RouterTokenizer, TemplateSandbox
 
 from ..serving.engines import MODEL_DIR
 from .render_corpus import CASES, CHAT, MESSAGES, RESPONSES
@@ -95,7 +95,7 @@ INELIGIBLE = {
 
 
 def sandbox() -> TemplateSandbox:
-    """The environment the router renders templates in (routing/tokenize.py)."""
+    """The environment the router renders templates in (routing/rendering/tokenize.py)."""
     return tokenizer_with(None).template.environment
 
 

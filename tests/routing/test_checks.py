@@ -1,5 +1,5 @@
 """Checking a request before admission, without a server: the requests are the bytes and headers the official
-OpenAI and Anthropic SDKs build (captured on their way out), fed to routing/checks.py's functions."""
+OpenAI and Anthropic SDKs build (captured on their way out), fed to routing/server/checks.py's functions."""
 
 from __future__ import annotations
 
@@ -17,7 +17,12 @@ import orjson
 import pytest
 from django.conf import settings
 
-from routing.checks import (
+from routing.info import DeploymentInfo, KeyInfo, PolicyInfo
+from routing.kvindex.prefix import PrefixRouting
+from routing.rendering.dialects import ANTHROPIC, OPENAI, RESPONSES
+from routing.rendering.tokenize import RouterTokenizer, token_ids
+from routing.scheduling.pipeline import RequestContext
+from routing.server.checks import (
     BODY_FLOOR_BYTES,
     ClientGone,
     HttpError,
@@ -35,13 +40,8 @@ from routing.checks import (
     template_overhead,
     validate,
 )
-from routing.dialects import ANTHROPIC, OPENAI, RESPONSES
-from routing.info import DeploymentInfo, KeyInfo, PolicyInfo
-from routing.pipeline import RequestContext
-from routing.prefix import PrefixRouting
-from routing.redis_pool import router_redis
+from routing.server.redis_pool import router_redis
 from routing.snapshot import Snapshot
-from routing.tokenize import RouterTokenizer, token_ids
 
 from ..serving.engines import MODEL_DIR, MODEL_NAME
 

@@ -12,11 +12,11 @@ import orjson
 import pytest
 from django.conf import settings
 
-from routing.conversion import RenderError
-from routing.prefix import PrefixRouting
-from routing.redis_pool import router_redis
-from routing.tokenize import RouterTokenizer
-from routing.tokenize_pool import TokenizePool, worker_for
+from routing.kvindex.prefix import PrefixRouting
+from routing.rendering.conversion import RenderError
+from routing.rendering.tokenize import RouterTokenizer
+from routing.rendering.tokenize_pool import TokenizePool, worker_for
+from routing.server.redis_pool import router_redis
 
 from ..serving.engines import MODEL_DIR, MODEL_NAME, start_engine
 from .conftest import make_fleet, set_quota, start_router

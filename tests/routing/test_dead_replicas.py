@@ -19,10 +19,10 @@ from types import SimpleNamespace
 import redis
 import redis.asyncio as aioredis
 
-from routing import admission as admission_module
-from routing.admission import Admission
 from routing.contracts import USAGE_EPOCH_KEY, quota_counters
-from routing.finisher import Finisher
+from routing.metering import admission as admission_module
+from routing.metering.admission import Admission
+from routing.metering.finisher import Finisher
 from tenants.limits import LIMITS
 from tenants.usage_stream import FIELD, UsageEvent
 
@@ -178,7 +178,7 @@ def test_events_redis_took_are_appended_again_when_it_lost_its_data(settings, tm
 
 
 def test_a_budget_counter_redis_lost_is_raised_back_to_the_ledger(db, settings):
-    from routing.quota_restore import quota_counters_restore
+    from routing.metering.quota_restore import quota_counters_restore
     from routing.snapshot import _quota
     from tenants.keys import api_key_create
     from tenants.models import Quota, Scope, Team, Tenant, UsageRecord

@@ -8,7 +8,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from routing.conversion import (
+from routing.rendering.conversion import (
     RenderError,
     TemplateTraits,
     anthropic_chat_request,
@@ -18,7 +18,7 @@ from routing.conversion import (
     responses_function_tools,
     responses_tool_names,
 )
-from routing.dialects import ANTHROPIC, OPENAI, RESPONSES
+from routing.rendering.dialects import ANTHROPIC, OPENAI, RESPONSES
 
 pytestmark = pytest.mark.unit  # pure functions: no database, Redis or process (make test-unit)
 

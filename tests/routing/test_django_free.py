@@ -14,14 +14,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 DJANGO_FREE = (
     "routing.info",  # keys, deployments, endpoints, policies, quotas, prices
-    "routing.framework",  # the request's context and the plugin registry
-    "routing.pipeline",  # the scheduler, with every built-in plugin
+    "routing.scheduling.pipeline",  # the scheduler: the request's context, the registry, every built-in plugin
     "routing.contracts",  # the Redis layouts the processes share
-    "routing.flow",
-    "routing.disagg",
-    "routing.load",
-    "routing.dialects",
-    "routing.conversion",
+    "routing.scheduling.flow",
+    "routing.scheduling.disagg",
+    "routing.scheduling.load",
+    "routing.rendering.dialects",
+    "routing.rendering.conversion",
 )
 
 

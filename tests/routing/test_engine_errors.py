@@ -371,8 +371,8 @@ def test_an_engine_refusing_the_routers_own_key_is_a_502_not_the_clients_bad_key
 
 
 def test_an_engines_bare_host_name_is_hidden_too():
-    from routing.dialects import OPENAI
-    from routing.engine_errors import refusal
+    from routing.rendering.dialects import OPENAI
+    from routing.server.engine_errors import refusal
 
     body = b'{"error": {"message": "cannot reach Engine-A:8000 or engine-a from engine-a.prefill"}}'
     answer = refusal(OPENAI, 400, body, "http://engine-a:8000")

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from routing.fast_bpe import PROBE, fast_encoder
-from routing.tokenize import RouterTokenizer
+from routing.rendering.fast_bpe import PROBE, fast_encoder
+from routing.rendering.tokenize import RouterTokenizer
 
 from ..serving.engines import MODEL_DIR
 
@@ -33,7 +33,7 @@ def variant(change) -> Tokenizer:
 def texts() -> list[str]:
     """The project's own code and docs, cut at special tokens as the router cuts a prompt: agents' kind of text."""
     special = re.compile(r"<\|[a-z_]+\|>")
-    files = sorted([*ROOT.glob("routing/*.py"), *ROOT.glob("docs/*.md"), *ROOT.glob("tenants/*.py")])
+    files = sorted([*ROOT.glob("routing/**/*.py"), *ROOT.glob("docs/*.md"), *ROOT.glob("tenants/*.py")])
     return [piece for path in files for piece in special.split(path.read_text()) if piece]
 
 

@@ -1,5 +1,5 @@
 """Flow control's rules without a server: when a deployment is saturated, who is served next, and how the other
-replicas' shares are read (routing/flow.py). The same rules on real processes: test_flow_control.py."""
+replicas' shares are read (routing/scheduling/flow.py). The same rules on real processes: test_flow_control.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import pytest
 import uvloop
 
 from routing.contracts import others_queued, others_work
-from routing.flow import (
+from routing.info import DeploymentInfo, EndpointInfo, KeyInfo, PolicyInfo
+from routing.scheduling.flow import (
     CLASSES,
     DEFAULT_PREFILL_S_PER_TOKEN,
     Decayed,
@@ -21,10 +22,8 @@ from routing.flow import (
     affinity,
     saturated,
 )
-from routing.framework import RequestContext
-from routing.info import DeploymentInfo, EndpointInfo, KeyInfo, PolicyInfo
-from routing.load import EndpointLoad
-from routing.pipeline import Pipeline
+from routing.scheduling.load import EndpointLoad
+from routing.scheduling.pipeline import Pipeline, RequestContext
 
 pytestmark = pytest.mark.unit  # pure functions: no database, Redis or process (make test-unit)
 

@@ -482,8 +482,8 @@ def test_without_redis_the_snapshot_comes_from_postgres_and_fails_closed_when_it
     refused with a 503 rather than trusted."""
     import redis.asyncio
 
-    from routing.app import HttpError, Router
-    from routing.dialects import OPENAI
+    from routing.rendering.dialects import OPENAI
+    from routing.server.app import HttpError, Router
 
     def scope(secret: str) -> dict:
         return {"headers": [(b"authorization", f"Bearer {secret}".encode())]}
@@ -542,7 +542,7 @@ def test_vllm_takes_engine_internal_fields_from_the_body_and_the_router_cuts_the
 def test_the_documented_field_lists_are_the_ones_enforced():
     from pathlib import Path
 
-    from routing.routes import ROUTES
+    from routing.rendering.routes import ROUTES
 
     rows = {}
     for line in (Path(__file__).parents[2] / "docs" / "request-fields.md").read_text().splitlines():

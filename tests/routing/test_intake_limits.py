@@ -1,4 +1,4 @@
-"""Work before admission, bounded (routing/intake.py, routing/http_server.py): a body's deadline and rate, one key's
+"""Work before admission, bounded (routing/server/intake.py, routing/server/http_server.py): a body's deadline and rate, one key's
 requests still arriving, request headers' size and deadline, a client that never reads its answer, and the
 session ids the affinity map keeps."""
 
@@ -17,10 +17,10 @@ import orjson
 import pytest
 
 from inference_platform.ports import free_port
-from routing import intake as intake_module
-from routing.checks import HttpError
-from routing.intake import ClientStalled, Intake
-from routing.sessions import MAX_SESSION_CHARS, session_key
+from routing.server import intake as intake_module
+from routing.server.checks import HttpError
+from routing.server.intake import ClientStalled, Intake
+from routing.server.sessions import MAX_SESSION_CHARS, session_key
 
 from ..serving.engines import MODEL_NAME, start_engine
 from .conftest import ROOT, RouterProcess, database_url, make_fleet, start_router
@@ -190,7 +190,7 @@ def test_a_stalled_send_ends_the_request_as_a_hang_up(monkeypatch):
 
         task = asyncio.ensure_future(serve())
 
-        async def watch():  # as routing/exchange.py watches for the client leaving
+        async def watch():  # as routing/server/exchange.py watches for the client leaving
             message = await guarded_receive()
             task.cancel()
             return message
@@ -267,7 +267,7 @@ def test_a_client_that_never_reads_its_stream_frees_the_engine(send_fleet):
 
 @pytest.fixture
 def limited_server(transactional_db):
-    """The router as deployed: uvicorn with routing/http_server.py's protocol."""
+    """The router as deployed: uvicorn with routing/server/http_server.py's protocol."""
     port = free_port()
     log_path = ROOT / ".local" / "test-engines" / f"router-limited-{port}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -284,7 +284,7 @@ def limited_server(transactional_db):
         "--loop",
         "uvloop",
         "--http",
-        "routing.http_server:LimitedHttpToolsProtocol",
+        "routing.server.http_server:LimitedHttpToolsProtocol",
     ]
     with log_path.open("wb") as log:
         process = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -1,5 +1,5 @@
 """A router process SIGKILLed with a stream in flight: a live router process settles the request from its orphan
-record in Redis (routing/admission.py, REAP), and the ledger bills it (failed, its prompt, no output), whether or
+record in Redis (routing/metering/admission.py, REAP), and the ledger bills it (failed, its prompt, no output), whether or
 not its team has a quota. Real router processes, a real simulator engine, the usage ingestion run here."""
 
 from __future__ import annotations
@@ -122,8 +122,8 @@ def test_a_request_in_flight_has_an_orphan_record_only_past_the_delay_and_none_a
 
     import redis.asyncio as aioredis
 
-    from routing.admission import LEASES_KEY, ORPHAN_PREFIX, Admission, Reservation
-    from routing.finisher import OPEN_RECORD_AFTER_S, Finisher, InFlight
+    from routing.metering.admission import LEASES_KEY, ORPHAN_PREFIX, Admission, Reservation
+    from routing.metering.finisher import OPEN_RECORD_AFTER_S, Finisher, InFlight
     from tenants.usage_stream import UsageEvent
 
     settings.USAGE_STREAM = "usage:test-open-records"

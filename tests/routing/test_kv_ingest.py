@@ -18,10 +18,10 @@ from django.db import connections
 
 from inference_platform.config_version import bump_config_version
 from inference_platform.ports import free_port
-from routing.blocks import block_keys, chain_seed, hex_keys
-from routing.kv_ingest import Source
-from routing.kv_ingest_stream import KVIngester
-from routing.prefix_index import LOOKUP_WALK, SPECULATE
+from routing.kvindex.blocks import block_keys, chain_seed, hex_keys
+from routing.kvindex.kv_ingest import Source
+from routing.kvindex.kv_ingest_stream import KVIngester
+from routing.kvindex.prefix_index import LOOKUP_WALK, SPECULATE
 from serving.models import Endpoint, Health, ModelDeployment, Pool
 
 from ..serving.engines import (

@@ -8,8 +8,8 @@ import httpx
 import pytest
 from django.db import connection
 
-from routing.load_scraper import endpoint_loads_scrape, parse_load
 from routing.models import RoutingPolicy
+from routing.scheduling.load_scraper import endpoint_loads_scrape, parse_load
 
 from ..serving.engines import MODEL_NAME, start_engine
 from .conftest import make_fleet

@@ -11,11 +11,11 @@ from types import SimpleNamespace
 import redis.asyncio as aioredis
 from django.conf import settings
 
-from routing import admission as admission_module
 from routing import contracts as contracts_module
-from routing.admission import Admission
 from routing.contracts import quota_counters
 from routing.info import QuotaInfo
+from routing.metering import admission as admission_module
+from routing.metering.admission import Admission
 from tenants import limits as limits_module
 from tenants.admin import QuotaAdmin, TenantAdmin
 from tenants.api.serializers import QuotaSerializer, TenantSerializer

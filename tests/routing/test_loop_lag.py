@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from routing import metrics
-from routing.loop_lag import LoopLag
+from routing.server import metrics
+from routing.server.loop_lag import LoopLag
 
 pytestmark = pytest.mark.unit  # pure functions: no database, Redis or process (make test-unit)
 

@@ -10,8 +10,8 @@ import json
 import httpx
 import pytest
 
-from routing.checks import HttpError, engine_fields, parse
-from routing.fields import remote_media
+from routing.rendering.fields import remote_media
+from routing.server.checks import HttpError, engine_fields, parse
 from serving.models import ModelDeployment
 
 from ..serving.engines import MODEL_NAME

@@ -8,7 +8,7 @@ import asyncio
 import httpx
 from django.test import override_settings
 
-from routing.app import Router
+from routing.server.app import Router
 
 from .router_metrics import router_metrics
 

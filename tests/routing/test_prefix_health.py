@@ -9,8 +9,8 @@ import redis
 import redis.asyncio as aioredis
 from django.conf import settings
 
-from routing import metrics
-from routing.prefix_health import PrefixHealth, prefix_health_for
+from routing.kvindex.prefix_health import PrefixHealth, prefix_health_for
+from routing.server import metrics
 
 DEPLOYMENT = 9_001
 

@@ -12,15 +12,15 @@ import redis.asyncio as aioredis
 from django.conf import settings
 
 from inference_platform.ports import free_port
-from routing import metrics
-from routing.affinity import ApproximateIndex
-from routing.blocks import block_keys, chain_seed, hex_keys
 from routing.info import DeploymentInfo, EndpointInfo, PolicyInfo
-from routing.load import EndpointLoad
-from routing.pipeline import Candidate
-from routing.prefix import PrefixRouting, index_vs_record
-from routing.prefix_index import BISECT_FROM_BLOCKS, Held, PrefixIndex
-from routing.tokenize import token_ids
+from routing.kvindex.blocks import block_keys, chain_seed, hex_keys
+from routing.kvindex.prefix import PrefixRouting, index_vs_record
+from routing.kvindex.prefix_index import BISECT_FROM_BLOCKS, Held, PrefixIndex
+from routing.rendering.tokenize import token_ids
+from routing.scheduling.affinity import ApproximateIndex
+from routing.scheduling.load import EndpointLoad
+from routing.scheduling.pipeline import Candidate
+from routing.server import metrics
 
 
 def run(coro):

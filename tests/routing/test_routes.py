@@ -1,4 +1,4 @@
-"""The public generation routes are one table (routing/routes.py): dispatch, the field rules, the checks,
+"""The public generation routes are one table (routing/rendering/routes.py): dispatch, the field rules, the checks,
 tokenising, answer assembly, the P/D step, the simulator and docs/request-fields.md read it, so a new route is a
 new entry. These tests add entries for as long as they run and see every reader take them up."""
 
@@ -12,17 +12,18 @@ from types import SimpleNamespace
 import orjson
 import pytest
 
-from routing import metrics, routes
-from routing.app import Router
-from routing.assemble import ChatAssembler, MessagesAssembler, assembler_for
-from routing.checks import HttpError, engine_fields, output_limit, over_context, validate
-from routing.dialects import ANTHROPIC, OPENAI
-from routing.disagg import prefill_elsewhere
-from routing.engine_errors import route_missing_body
-from routing.pipeline import RequestContext
-from routing.routes import ANTHROPIC_MESSAGES, CHAT_MESSAGES, ROUTES, Route
-from routing.tokenize import RouterTokenizer
-from routing.tokenize_pool import prompt_tokens
+from routing.rendering import routes
+from routing.rendering.dialects import ANTHROPIC, OPENAI
+from routing.rendering.routes import ANTHROPIC_MESSAGES, CHAT_MESSAGES, ROUTES, Route
+from routing.rendering.tokenize import RouterTokenizer
+from routing.rendering.tokenize_pool import prompt_tokens
+from routing.scheduling.disagg import prefill_elsewhere
+from routing.scheduling.pipeline import RequestContext
+from routing.server import metrics
+from routing.server.app import Router
+from routing.server.assemble import ChatAssembler, MessagesAssembler, assembler_for
+from routing.server.checks import HttpError, engine_fields, output_limit, over_context, validate
+from routing.server.engine_errors import route_missing_body
 from simulator.server import ServedModel, SimulatorApp
 from simulator.tokenizer import ModelTokenizer
 
@@ -71,7 +72,7 @@ def tokenizer() -> RouterTokenizer:
 def test_the_written_table_of_request_fields_is_the_route_table():
     written = routes.DOC.read_text()
     assert written == routes.with_fields_table(written), (
-        "docs/request-fields.md is out of date: run `python -m routing.routes`"
+        "docs/request-fields.md is out of date: run `python -m routing.rendering.routes`"
     )
     for route in ROUTES.values():
         assert f"| `{route.path}` | {route.dialect.name} | `{route.prompt}` |" in written

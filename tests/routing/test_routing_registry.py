@@ -10,11 +10,10 @@ import pytest
 
 from routing.admin import RoutingPolicyAdmin
 from routing.api.serializers import RoutingPolicySerializer
-from routing.framework import REGISTRY, Registry
 from routing.info import NO_POLICY, DeploymentInfo, EndpointInfo, PolicyInfo
-from routing.load import EndpointLoad
 from routing.models import SCORER_WEIGHT_FIELDS, RoutingMode, RoutingPolicy, policy_fields
-from routing.pipeline import Pipeline, RequestContext
+from routing.scheduling.load import EndpointLoad
+from routing.scheduling.pipeline import REGISTRY, Pipeline, Registry, RequestContext
 from routing.snapshot import load_snapshot
 from serving.models import DesiredStatus, ModelDeployment
 

@@ -8,12 +8,12 @@ from collections import Counter
 import pytest
 
 from routing.info import DeploymentInfo, EndpointInfo, PolicyInfo
-from routing.load import RECENT_WINDOW_S, EndpointLoad
-from routing.picker import prefill_ahead
-from routing.pipeline import Candidate, Pipeline, RequestContext
-from routing.prefix_index import Held
-from routing.scorers.prefix_match import distinct_shares
-from routing.steps import request_weight
+from routing.kvindex.prefix_index import Held
+from routing.scheduling.load import RECENT_WINDOW_S, EndpointLoad
+from routing.scheduling.picker import prefill_ahead
+from routing.scheduling.pipeline import Candidate, Pipeline, RequestContext
+from routing.scheduling.scorers.prefix_match import distinct_shares
+from routing.scheduling.steps import request_weight
 
 pytestmark = pytest.mark.unit  # pure functions: no database, Redis or process (make test-unit)
 

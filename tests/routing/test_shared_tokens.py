@@ -13,8 +13,8 @@ from django.conf import settings
 
 from inference_platform.config_version import bump_config_version
 from routing.models import RoutingPolicy
-from routing.shared_tokens import SharedPieces, tokenizer_fingerprint
-from routing.tokenize import RouterTokenizer
+from routing.rendering.shared_tokens import SharedPieces, tokenizer_fingerprint
+from routing.rendering.tokenize import RouterTokenizer
 
 from ..serving.engines import MODEL_DIR, MODEL_NAME
 from .conftest import make_fleet, start_router, wait_for_version

@@ -5,8 +5,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from routing.blocks import block_keys, chain_seed
-from routing.tokenize import RouterTokenizer, token_ids
+from routing.kvindex.blocks import block_keys, chain_seed
+from routing.rendering.tokenize import RouterTokenizer, token_ids
 
 from ..serving.engines import MODEL_DIR, MODEL_NAME
 
@@ -77,7 +77,7 @@ def test_prompt_key_cache_keys_as_block_keys_do_whatever_the_prompts_share():
     import random
     from array import array
 
-    from routing.blocks import PromptKeyCache
+    from routing.kvindex.blocks import PromptKeyCache
 
     cache = PromptKeyCache(max_bytes=200_000, per_head=2)
     rng = random.Random(7)

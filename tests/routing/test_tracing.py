@@ -1,4 +1,4 @@
-"""The router's OpenTelemetry traces (routing/tracing.py), exported to a real OTLP/HTTP receiver run here.
+"""The router's OpenTelemetry traces (routing/server/tracing.py), exported to a real OTLP/HTTP receiver run here.
 
 A real router process in front of the simulator engines; the receiver decodes each export with
 opentelemetry-proto's classes. Checked: the span tree of a streamed and of an unstreamed request (names, parents,

@@ -1,4 +1,4 @@
-"""Traces of our own traffic (routing/traffic_trace.py): sampled requests through the real router become entries
+"""Traces of our own traffic (routing/metering/traffic_trace.py): sampled requests through the real router become entries
 after the worker's drain, export as a Mooncake trace the planner replays, and carry no text, token id or raw block
 key; with the ratio at 0 nothing is written."""
 
@@ -20,12 +20,12 @@ from planner.profile import Profile
 from planner.report import summarize
 from planner.sim import simulate
 from planner.trace import ceiling, load_trace
-from routing.blocks import block_keys, chain_seed
+from routing.kvindex.blocks import block_keys, chain_seed
+from routing.metering.traffic_trace import hashed_blocks, traffic_trace_prune
 from routing.models import RoutingPolicy, TrafficTraceEntry
+from routing.rendering.tokenize import RouterTokenizer
 from routing.snapshot import cache_salt
 from routing.tasks import drain_traffic_trace
-from routing.tokenize import RouterTokenizer
-from routing.traffic_trace import hashed_blocks, traffic_trace_prune
 from tenants.keys import api_key_create
 from tenants.models import Scope, Team, Tenant
 

@@ -9,7 +9,7 @@ import socket
 import pytest
 from aiohttp import web
 
-from routing.upstream import READ_HIGH_WATER, UpstreamClosed, UpstreamConnectError, UpstreamPool
+from routing.server.upstream import READ_HIGH_WATER, UpstreamClosed, UpstreamConnectError, UpstreamPool
 
 pytestmark = pytest.mark.unit  # pure functions: no database, Redis or process (make test-unit)
 
@@ -231,7 +231,7 @@ def test_an_engine_on_an_ipv6_address():
 
 
 def test_a_stall_watch_gives_up_only_a_wait_that_runs_over_its_limit():
-    from routing.upstream import StallWatch, UpstreamTimeout
+    from routing.server.upstream import StallWatch, UpstreamTimeout
 
     async def waits(pieces: list[float], idle: float, limit: float) -> None:
         """Wait for each piece (seconds) under the watch, idling between waits without it."""

@@ -1,4 +1,4 @@
-"""A client that does not stream gets its answer assembled from the engine's stream (routing/assemble.py).
+"""A client that does not stream gets its answer assembled from the engine's stream (routing/server/assemble.py).
 
 vLLM sends a non-streamed answer's headers only when the answer is over: read whole, a long answer looked like an
 engine that never started (killed at the first-token limit, tried on three engines, answered 502, billed nothing),

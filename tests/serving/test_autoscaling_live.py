@@ -8,7 +8,7 @@ import time
 
 from django.db.models import F
 
-from routing.load_scraper import endpoint_loads_scrape
+from routing.scheduling.load_scraper import endpoint_loads_scrape
 from serving.autoscaling import autoscale_all
 from serving.models import (
     AutoscalingPolicy,

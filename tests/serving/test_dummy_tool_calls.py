@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from routing.tokenize import RouterTokenizer
+from routing.rendering.tokenize import RouterTokenizer
 from serving.engine_plugins.tool_arguments import planned_call
 
 from .engines import MODEL_DIR

@@ -11,7 +11,7 @@ import redis
 from django.conf import settings
 
 from routing.contracts import LOAD_KEY
-from routing.load_scraper import endpoint_loads_scrape
+from routing.scheduling.load_scraper import endpoint_loads_scrape
 from serving.engine_keys import engine_api_key
 from serving.models import Endpoint, Health, ModelDeployment, OrchestratorKind, Pool
 from serving.orchestrators import kube_render

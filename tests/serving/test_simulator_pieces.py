@@ -8,8 +8,8 @@ import random
 import pytest
 
 from bench import agent_scale
-from routing.conversion import anthropic_chat_request, chat_inputs, responses_chat_request
-from routing.tokenize import template_traits
+from routing.rendering.conversion import anthropic_chat_request, chat_inputs, responses_chat_request
+from routing.rendering.tokenize import template_traits
 from simulator.tokenizer import ModelTokenizer
 
 from .engines import MODEL_DIR

@@ -11,7 +11,7 @@ import pytest
 import redis.asyncio
 from django.conf import settings as django_settings
 
-from routing import finisher
+from routing.metering import finisher
 from tenants.models import UsageRecord
 from tenants.tasks import ingest_usage
 from tenants.usage_stream import (
@@ -101,7 +101,7 @@ def test_the_lag_is_the_unacknowledged_entries_and_the_age_of_the_oldest(world, 
 def test_the_router_exports_the_lag_on_its_metrics(world, stream):
     from prometheus_client import generate_latest
 
-    from routing import metrics
+    from routing.server import metrics
 
     usage_event_emit_sync(stream, make_event(world.key_a1, "req-metric"))
 

@@ -1,5 +1,5 @@
 """`python manage.py export_trace --deployment NAME --since T [--until T] [--out FILE]`: a period of the recorded
-traffic trace (routing/traffic_trace.py) as Mooncake-style JSON lines, which `python -m planner --trace FILE`
+traffic trace (routing/metering/traffic_trace.py) as Mooncake-style JSON lines, which `python -m planner --trace FILE`
 replays. See docs/planner.md#traces-of-our-own-traffic."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from datetime import UTC, datetime
 from django.core.management.base import BaseCommand, CommandError
 from django.utils.dateparse import parse_date, parse_datetime
 
-from routing.traffic_trace import export_rows
+from routing.metering.traffic_trace import export_rows
 from serving.models import ModelDeployment
 
 

@@ -10,7 +10,7 @@ import redis
 from django.conf import settings
 from django.core.management.base import BaseCommand
 
-from routing.kv_ingest_stream import KVIngester
+from routing.kvindex.kv_ingest_stream import KVIngester
 
 
 class Command(BaseCommand):
