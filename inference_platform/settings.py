@@ -58,6 +58,7 @@ INSTALLED_APPS = [
     "portal",
     "sso",
     "alerts",
+    "planner",
 ]
 
 MIDDLEWARE = [
@@ -159,13 +160,13 @@ CELERY_BEAT_SCHEDULE = {
         "schedule": 1.0,
         "options": {"expires": 1.0},
     },
-    # Budget counters that Redis lost, raised back to the ledger (routing/quota_restore.py, RESTORE_EVERY_S).
+    # Budget counters that Redis lost, raised back to the ledger (routing/metering/quota_restore.py, RESTORE_EVERY_S).
     "restore-quota-counters": {
         "task": "routing.tasks.restore_quota_counters",
         "schedule": 15.0,
         "options": {"expires": 15.0},
     },
-    # Traces of our own traffic (routing/traffic_trace.py): the router's stream into the database, old rows out.
+    # Traces of our own traffic (routing/metering/traffic_trace.py): the router's stream into the database, old rows out.
     "drain-traffic-trace": {
         "task": "routing.tasks.drain_traffic_trace",
         "schedule": 5.0,
@@ -391,7 +392,7 @@ ROUTER_CONFIG_POLL_SECONDS = float(env_secret("ROUTER_CONFIG_POLL_SECONDS") or 1
 ROUTER_LOAD_SHARE_SECONDS = float(env_secret("ROUTER_LOAD_SHARE_SECONDS") or 0.1)
 ROUTER_SNAPSHOT_MAX_AGE = float(env_secret("ROUTER_SNAPSHOT_MAX_AGE") or 10.0)
 # Flow control's fair share counts each tenant's (and team's) work over roughly this many seconds: its decay time
-# constant (routing/flow.py).
+# constant (routing/scheduling/flow.py).
 ROUTER_FAIR_SHARE_WINDOW_S = float(env_secret("ROUTER_FAIR_SHARE_WINDOW_S") or 60.0)
 ROUTER_SPECULATIVE_TTL_SECONDS = float(env_secret("ROUTER_SPECULATIVE_TTL_SECONDS") or 3.0)
 # A precise lookup Redis has not answered by then is routed on the replica's own record instead (a guard
@@ -418,18 +419,18 @@ ROUTER_MAX_PROMPT_LOGPROB_ENTRIES = env_int("ROUTER_MAX_PROMPT_LOGPROB_ENTRIES",
 ROUTER_TOKENIZE_QUEUE = env_int("ROUTER_TOKENIZE_QUEUE", 64)
 ROUTER_TOKENIZE_WAIT_SECONDS = float(env_secret("ROUTER_TOKENIZE_WAIT_SECONDS") or 2.0)
 # Requests whose JSON is at least TOKENIZE_POOL_MIN_BYTES long are tokenized in TOKENIZE_PROCESSES worker processes
-# (routing/tokenize_pool.py), so a large prompt does not stop the replica's streams; smaller ones on the router's
+# (routing/rendering/tokenize_pool.py), so a large prompt does not stop the replica's streams; smaller ones on the router's
 # tokenizing thread, where they cost less. 0 processes: all on the thread.
 ROUTER_TOKENIZE_PROCESSES = env_int("ROUTER_TOKENIZE_PROCESSES", 2)
 ROUTER_TOKENIZE_POOL_MIN_BYTES = env_int("ROUTER_TOKENIZE_POOL_MIN_BYTES", 16 * 1024)
 # Token ids of large pieces of rendered text, shared by every replica and worker through Redis
-# (routing/shared_tokens.py): a piece of at least MIN_PIECE_CHARS, asked for when a prompt has MIN_REQUEST_CHARS of
+# (routing/rendering/shared_tokens.py): a piece of at least MIN_PIECE_CHARS, asked for when a prompt has MIN_REQUEST_CHARS of
 # text the replica has not tokenised, kept TTL seconds after it was written (4 bytes a token in Redis).
 ROUTER_SHARED_TOKENS = env_bool("ROUTER_SHARED_TOKENS", True)
 ROUTER_SHARED_TOKENS_MIN_PIECE_CHARS = env_int("ROUTER_SHARED_TOKENS_MIN_PIECE_CHARS", 256)
 ROUTER_SHARED_TOKENS_MIN_REQUEST_CHARS = env_int("ROUTER_SHARED_TOKENS_MIN_REQUEST_CHARS", 4096)
 ROUTER_SHARED_TOKENS_TTL_SECONDS = env_int("ROUTER_SHARED_TOKENS_TTL_SECONDS", 6 * 3600)
-# Traces (routing/tracing.py): OTLP/HTTP (protobuf) to this URL, the collector's /v1/traces; empty: off, at no
+# Traces (routing/server/tracing.py): OTLP/HTTP (protobuf) to this URL, the collector's /v1/traces; empty: off, at no
 # cost. By default the standard OpenTelemetry variables' endpoint. ROUTER_TRACES_SAMPLE_RATIO of the requests
 # without a sampled parent are kept (a client's `traceparent` decides for its own request). The exporter reads
 # OTEL_EXPORTER_OTLP_HEADERS (or _TRACES_HEADERS) itself.
@@ -445,7 +446,7 @@ ROUTER_TRACES_SAMPLE_RATIO = float(env_secret("ROUTER_TRACES_SAMPLE_RATIO") or 1
 if not 0.0 <= ROUTER_TRACES_SAMPLE_RATIO <= 1.0:
     raise ImproperlyConfigured("ROUTER_TRACES_SAMPLE_RATIO must be between 0 and 1")
 ROUTER_TRACES_SERVICE_NAME = env_secret("OTEL_SERVICE_NAME") or "inference-router"
-# Traces of our own traffic for the planner (routing/traffic_trace.py, docs/planner.md): RATIO of the requests
+# Traces of our own traffic for the planner (routing/metering/traffic_trace.py, docs/planner.md): RATIO of the requests
 # (0: none, at no cost) leave an entry on a Redis stream capped at STREAM_MAXLEN entries, drained by the worker into
 # the database and kept KEEP_DAYS. Block keys and sessions are stored as keyed hashes under SECRET (blank: derived
 # from SECRET_KEY), so they cannot be matched against the keys of a known text.
@@ -460,7 +461,7 @@ ROUTER_TRAFFIC_TRACE_KEEP_DAYS = env_int("ROUTER_TRAFFIC_TRACE_KEEP_DAYS", 14)
 # Each call counts against its key's and team's requests per minute, as a generation request does.
 ROUTER_COUNT_TOKENS_MAX_BYTES = env_int("ROUTER_COUNT_TOKENS_MAX_BYTES", 4 * 1024 * 1024)
 ROUTER_COUNT_TOKENS_WAIT_SECONDS = float(env_secret("ROUTER_COUNT_TOKENS_WAIT_SECONDS") or 30.0)
-# Work before admission (routing/intake.py). A request body must arrive whole within BODY_TIMEOUT seconds and, past
+# Work before admission (routing/server/intake.py). A request body must arrive whole within BODY_TIMEOUT seconds and, past
 # its first 5 seconds, at BODY_MIN_BYTES_PER_SECOND on average (else a 408 and the connection is closed). One key
 # may have at most INTAKE_PER_KEY requests on a replica whose bodies are still arriving (else a 429). A client that
 # takes nothing of its answer for SEND_TIMEOUT seconds is cut off, as one that hung up.
@@ -468,7 +469,7 @@ ROUTER_BODY_TIMEOUT_SECONDS = float(env_secret("ROUTER_BODY_TIMEOUT_SECONDS") or
 ROUTER_BODY_MIN_BYTES_PER_SECOND = env_int("ROUTER_BODY_MIN_BYTES_PER_SECOND", 16 * 1024)
 ROUTER_INTAKE_PER_KEY = env_int("ROUTER_INTAKE_PER_KEY", 64)
 ROUTER_SEND_TIMEOUT_SECONDS = float(env_secret("ROUTER_SEND_TIMEOUT_SECONDS") or 30.0)
-# Served with `--http routing.http_server:LimitedHttpToolsProtocol`: a request's headers must be at most
+# Served with `--http routing.server.http_server:LimitedHttpToolsProtocol`: a request's headers must be at most
 # MAX_HEADER_BYTES (else a 431) and complete within HEADER_TIMEOUT seconds of their first byte (else a 408).
 ROUTER_MAX_HEADER_BYTES = env_int("ROUTER_MAX_HEADER_BYTES", 64 * 1024)
 ROUTER_HEADER_TIMEOUT_SECONDS = float(env_secret("ROUTER_HEADER_TIMEOUT_SECONDS") or 10.0)

@@ -5,6 +5,7 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from rest_framework.routers import DefaultRouter
 
 from alerts.api import views as alerts
+from planner.api import WhatIfRunViewSet
 from routing.api.views import RoutingPolicyViewSet
 from serving.api.views import AutoscalingPolicyViewSet, ModelDeploymentViewSet, ScalingEventViewSet
 from tenants.api import reports, tokens
@@ -28,6 +29,7 @@ router.register("alert-destinations", alerts.DestinationViewSet, basename="alert
 router.register("alert-rules", alerts.AlertRuleViewSet, basename="alertrule")
 router.register("alerts", alerts.AlertViewSet, basename="alert")
 router.register("alert-deliveries", alerts.DeliveryViewSet, basename="alertdelivery")
+router.register("what-if-runs", WhatIfRunViewSet, basename="whatifrun")
 
 
 def healthz(request):

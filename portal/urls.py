@@ -1,7 +1,7 @@
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from . import alerts, views
+from . import alerts, views, whatif
 from .api import HistoryView
 from .forms import SignInForm
 
@@ -39,4 +39,7 @@ urlpatterns = [
     path("alerts/destinations/<int:pk>/secret/", alerts.destination_rotate, name="alert-destination-rotate"),
     path("alerts/rules/", alerts.rule_new, name="alert-rule-new"),
     path("alerts/rules/<int:pk>/delete/", alerts.rule_delete, name="alert-rule-delete"),
+    path("what-if/", whatif.whatif_index, name="whatif"),
+    path("what-if/<int:pk>/", whatif.whatif_run, name="whatif-run"),
+    path("what-if/<int:pk>/status/", whatif.whatif_status, name="whatif-status"),
 ]
