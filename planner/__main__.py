@@ -26,6 +26,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tenant-rule", default="prefix", choices=("index", "random", "prefix"))
     p.add_argument("--kv-tokens", type=int, help="override the profile's KV capacity (0: unbounded)")
     p.add_argument("--gpu-price", type=float, help="override the profile's price per GPU-hour")
+    p.add_argument("--prefill-engines", type=int, default=0, help="a prefill pool of N (--engines: decode)")
+    p.add_argument("--flow-control", action="store_true", help="the router's gate in front of the engines")
+    p.add_argument("--max-wait", type=float, help="with --flow-control: every class's limit in the queue (s)")
+    p.add_argument("--cpu-tier-tokens", type=int, help="a CPU tier of this many KV tokens per engine")
+    p.add_argument("--spec", nargs=2, type=float, metavar=("DRAFT", "ACCEPT"), help="speculative decoding")
+    p.add_argument(
+        "--autoscale",
+        nargs=2,
+        type=int,
+        metavar=("MIN", "MAX"),
+        help="the autoscaler between MIN and MAX engines (--engines: at the start)",
+    )
+    p.add_argument("--running-per-engine", type=int, default=32, help="with --autoscale: its target")
+    p.add_argument("--startup", type=float, default=60.0, help="with --autoscale: an engine's start-up (s)")
     args = p.parse_args(argv)
 
     from .report import summarize, table, tenant_table
@@ -36,6 +50,26 @@ def main(argv: list[str] | None = None) -> int:
         profile = profile.with_(kv_capacity_tokens=args.kv_tokens)
     if args.gpu_price is not None:
         profile = profile.with_(gpu_price_per_hour=args.gpu_price)
+    if args.cpu_tier_tokens is not None:
+        profile = profile.with_(cpu_tier_tokens=args.cpu_tier_tokens)
+    if args.spec:
+        profile = profile.with_(spec_draft_tokens=int(args.spec[0]), spec_acceptance=args.spec[1])
+    policy: dict = {"flow_control": args.flow_control}
+    if args.max_wait is not None:
+        policy.update({f"max_wait_{c}_s": args.max_wait for c in ("interactive", "standard", "batch")})
+    autoscale = None
+    if args.autoscale:
+        from .autoscale_sim import Autoscale
+
+        low, high = args.autoscale
+        autoscale = Autoscale(
+            policy={
+                "min_replicas": low,
+                "max_replicas": high,
+                "running_requests_per_replica": args.running_per_engine,
+            },
+            startup_s=args.startup,
+        )
     requests = load_trace(args.trace, args.limit)
     if args.speed != 1.0:
         from dataclasses import replace
@@ -45,7 +79,16 @@ def main(argv: list[str] | None = None) -> int:
         requests = assign_tenants(requests, tenant_rule(args.tenant_rule, args.tenants))
     summaries = []
     for mode in args.modes or [args.mode]:
-        summaries.append(summarize(simulate(requests, args.engines, profile, mode)))
+        result = simulate(
+            requests,
+            args.engines,
+            profile,
+            mode,
+            policy=policy,
+            autoscale=autoscale,
+            prefill_engines=args.prefill_engines,
+        )
+        summaries.append(summarize(result))
         print(f"simulated {mode}: {summaries[-1].cpu_s:.1f} CPU s", file=sys.stderr)
     print(f"trace {args.trace}: {len(requests)} requests, {args.engines} engines, profile {profile.name}")
     print(table(summaries))

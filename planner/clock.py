@@ -1,7 +1,7 @@
 """The virtual clock a simulation runs on.
 
 The routing plugins read the time from `RequestContext.now`, which the pipeline sets from its clock at each choice
-(routing/pipeline.py: `time.monotonic` in the router); a simulation gives its pipeline this clock's `monotonic`,
+(routing/scheduling/pipeline.py: `time.monotonic` in the router); a simulation gives its pipeline this clock's `monotonic`,
 so the routing code runs unchanged on virtual time, and nothing else sees it.
 """
 

@@ -6,6 +6,19 @@ sequence that uses them; the partial last block and the blocks of generated toke
 cached block no sequence uses stays until room is needed, least recently freed first. When a running sequence
 needs a block and none can be freed, the latest admitted sequence is preempted (its blocks freed, its tokens
 recomputed when it is admitted again), as vLLM does.
+
+A CPU tier (the profile's `cpu_tier_tokens`): a block evicted from the GPU cache moves there, least recently
+evicted first out; a prompt's leading blocks found there move back to the GPU at `cpu_tier_load_per_token_s`, paid
+in the iteration of the prompt's first chunk, instead of being computed. A block is in one tier at a time.
+
+Speculative decoding (`spec_draft_tokens`, `spec_acceptance`): each decode step gains the expected tokens
+(Profile.tokens_per_step), kept as a fraction per sequence so that no token is lost or counted twice.
+
+The fleet's directory (`directory`, shared by the engines of a simulation): block -> the engines holding it in
+either tier, kept as blocks enter and leave; the precise index walks it once along a prompt instead of asking every
+engine.
+
+Over 400 lines (a little): the cache's tiers, the directory and the scheduler share the block bookkeeping.
 """
 
 from __future__ import annotations
@@ -37,6 +50,10 @@ class Seq:
     pinned: list[int] = field(default_factory=list)  # cached blocks it uses, in prefix order
     private: int = 0  # blocks of its own
     router_state: object = None  # the router's bookkeeping for this request
+    loaded_tokens: int = 0  # prompt tokens loaded from the CPU tier (all admissions)
+    load_due: int = 0  # of those, still to be paid for in its next prefill chunk
+    spec_frac: float = 0.0  # speculative decoding: the fraction of a token gained beyond `generated`
+    transferred_tokens: int = 0  # KV tokens received from a prefill engine (prefill/decode pools)
 
     @property
     def context(self) -> int:
@@ -56,6 +73,7 @@ class Engine:
         schedule: Callable[[float, Engine, int], None],
         on_first_token: Callable[[Seq, float], None],
         on_finish: Callable[[Seq, float], None],
+        directory: dict[int, set[int]] | None = None,
     ):
         self.id = engine_id
         self.profile = profile
@@ -66,6 +84,12 @@ class Engine:
         self._on_finish = on_finish
         self.ref: dict[int, int] = {}  # cached block -> sequences using it
         self.free_lru: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody uses, least recent first
+        self.cpu: OrderedDict[int, None] = OrderedDict()  # the CPU tier, least recently evicted first
+        self.cpu_capacity = profile.cpu_tier_tokens // block_tokens if profile.cpu_tier_tokens > 0 else 0
+        self.directory = directory
+        self.cpu_hits = 0  # blocks loaded from the CPU tier
+        self.step_tokens = profile.tokens_per_step()
+        self.step_room = math.ceil(self.step_tokens)  # tokens a decoding sequence may gain in one step
         self.private_total = 0
         self.running: list[Seq] = []
         self.waiting: deque[Seq] = deque()
@@ -88,6 +112,7 @@ class Engine:
 
     # The prefix cache, as the KV events report it.
     def held(self, blocks: tuple[int, ...] | list[int]) -> int:
+        """The prompt's leading blocks the GPU cache holds."""
         n = 0
         ref = self.ref
         for h in blocks:
@@ -95,6 +120,65 @@ class Engine:
                 break
             n += 1
         return n
+
+    def held_tiers(self, blocks: tuple[int, ...] | list[int], start: int = 0) -> tuple[int, int]:
+        """(GPU, CPU): the prompt's leading blocks held in either tier, by tier (as the index counts them),
+        the first `start` known to be held."""
+        ref, cpu = self.ref, self.cpu
+        gpu = n = 0
+        for h in blocks[:start]:
+            if h in ref:
+                gpu += 1
+        n = start
+        for h in blocks[start:]:
+            if h in ref:
+                gpu += 1
+            elif h not in cpu:
+                break
+            n += 1
+        return gpu, n - gpu
+
+    # The fleet's directory: an engine enters a block when it first holds it in either tier, leaves it when it
+    # holds it in neither.
+    def _enter(self, h: int) -> None:
+        if self.directory is not None:
+            holders = self.directory.get(h)
+            if holders is None:
+                self.directory[h] = {self.id}
+            else:
+                holders.add(self.id)
+
+    def _leave(self, h: int) -> None:
+        if self.directory is not None:
+            holders = self.directory[h]
+            holders.discard(self.id)
+            if not holders:
+                del self.directory[h]
+
+    def _to_cpu(self, h: int) -> None:
+        """A block evicted from the GPU cache: into the CPU tier if there is one, else gone."""
+        if not self.cpu_capacity:
+            self._leave(h)
+            return
+        self.cpu[h] = None
+        if len(self.cpu) > self.cpu_capacity:
+            old, _ = self.cpu.popitem(last=False)
+            self._leave(old)
+
+    def receive(self, blocks: tuple[int, ...] | list[int], now: float) -> None:
+        """KV blocks pulled from another engine (NIXL): they enter the cache as cached blocks nobody uses yet
+        (most recently freed), evicting as any block does; those it has no room for are not kept."""
+        fresh = [h for h in blocks if h not in self.ref]
+        for h in fresh:
+            if not self._room(1):
+                break
+            if h in self.cpu:
+                del self.cpu[h]
+            else:
+                self._enter(h)
+            self.ref[h] = 0
+            self.free_lru[h] = None
+        self._track()
 
     def resident(self) -> int:
         return len(self.ref) + self.private_total
@@ -114,13 +198,19 @@ class Engine:
             h, _ = self.free_lru.popitem(last=False)
             del self.ref[h]
             self.evictions += 1
+            self._to_cpu(h)
             short -= 1
         return short <= 0
 
     def _pin(self, h: int) -> None:
         count = self.ref.get(h, 0)
-        if count == 0 and h in self.free_lru:
-            del self.free_lru[h]
+        if count == 0:
+            if h in self.free_lru:
+                del self.free_lru[h]
+            elif h in self.cpu:  # computed again while a copy waited in the CPU tier: the GPU's is the one
+                del self.cpu[h]
+            else:
+                self._enter(h)
         self.ref[h] = count + 1
 
     def _unpin(self, h: int) -> None:
@@ -130,19 +220,40 @@ class Engine:
             self.free_lru[h] = None
 
     def _admit(self, seq: Seq, now: float) -> bool:
-        matched = seq.blocks[: self.held(seq.blocks)]
+        on_gpu = self.held(seq.blocks)
+        matched = seq.blocks[:on_gpu]
         for h in matched:
             self._pin(h)
+        # Then the blocks that follow in the CPU tier: out of it while room is made (so that the blocks the room
+        # pushes there do not push them out), back where they were if there is none.
+        from_cpu: list[int] = []
+        if self.cpu:
+            for h in seq.blocks[on_gpu:]:
+                if h not in self.cpu:
+                    break
+                from_cpu.append(h)
+            for h in from_cpu:
+                del self.cpu[h]
         seq.target = seq.request.input_tokens + seq.generated
-        need = math.ceil(seq.target / self.bt) - len(matched)
-        if not self._room(need):
+        need = math.ceil(seq.target / self.bt) - on_gpu - len(from_cpu)
+        if not self._room(need + len(from_cpu)):
             for h in reversed(matched):
                 self._unpin(h)
+            for h in from_cpu:
+                self.cpu[h] = None
+                self.cpu.move_to_end(h, last=False)
             return False
-        seq.pinned = list(matched)
+        for h in from_cpu:
+            self.ref[h] = 1
+        seq.pinned = [*matched, *from_cpu]
         seq.private = need
         self.private_total += need
-        seq.computed = cached_tokens_for(seq.request.input_tokens, len(matched), self.bt)
+        seq.computed = cached_tokens_for(seq.request.input_tokens, len(seq.pinned), self.bt)
+        if from_cpu:
+            loaded = max(0, seq.computed - on_gpu * self.bt)
+            seq.loaded_tokens += loaded
+            seq.load_due = loaded
+            self.cpu_hits += len(from_cpu)
         if seq.cached_tokens < 0:
             seq.cached_tokens = seq.computed
             seq.admitted_s = now
@@ -175,6 +286,7 @@ class Engine:
         victim = self.running.pop()
         self._release(victim)
         victim.computed = 0
+        victim.load_due = 0
         victim.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(victim)
@@ -211,7 +323,7 @@ class Engine:
             short = [
                 s
                 for s in self.running
-                if s.prefill_left == 0 and s.context + 1 > self._blocks_of(s) * self.bt
+                if s.prefill_left == 0 and s.context + self.step_room > self._blocks_of(s) * self.bt
             ]
             if not short:
                 break
@@ -239,15 +351,31 @@ class Engine:
                 chunks.append((s, take))
                 budget -= take
         context = sum(s.context for s in decoders)
+        rate = self.step_tokens
         if chunks or not decoders:
             steps = 1
             dt = p.iteration_s([(take, s.computed) for s, take in chunks], len(decoders), context)
-        else:
+            # Blocks loaded from the CPU tier are paid for in the iteration of the prompt's next chunk.
+            for s, _ in chunks:
+                if s.load_due:
+                    dt += s.load_due * p.cpu_tier_load_per_token_s
+                    s.load_due = 0
+        elif rate == 1.0:
             steps = min(s.request.output_tokens - s.generated for s in decoders)
             steps = min(steps, min(self._blocks_of(s) * self.bt - s.context for s in decoders))
             steps = max(1, steps)
             # The context grows by one token a sequence a step: the run's step time is its middle step's.
             dt = p.iteration_s([], len(decoders), context + len(decoders) * (steps - 1) // 2)
+        else:
+            steps = min(
+                math.ceil((s.request.output_tokens - s.generated - s.spec_frac) / rate) for s in decoders
+            )
+            steps = min(
+                steps,
+                min(int((self._blocks_of(s) * self.bt - s.context - s.spec_frac) / rate) for s in decoders),
+            )
+            steps = max(1, steps)
+            dt = p.iteration_s([], len(decoders), context + int(len(decoders) * rate * (steps - 1) / 2))
         self.busy = True
         self._start, self._dt, self._steps = now, dt, steps
         self._chunks, self._decoders = chunks, decoders
@@ -272,12 +400,20 @@ class Engine:
                     self._on_first_token(s, now)
         if self._decoders:
             per_tenant: dict[str, int] = {}
+            rate = self.step_tokens
             for s in self._decoders:
-                s.generated += steps
+                if rate == 1.0:
+                    gained = steps
+                else:
+                    total = s.spec_frac + steps * rate
+                    gained = min(int(total), s.request.output_tokens - s.generated)
+                    s.spec_frac = total - int(total) if gained == int(total) else 0.0
+                s.generated += gained
                 t = s.request.tenant
-                per_tenant[t] = per_tenant.get(t, 0) + steps
+                per_tenant[t] = per_tenant.get(t, 0) + gained
+            gap = dt / rate  # the mean gap between its tokens (they come `rate` at a time)
             for t, n in per_tenant.items():
-                self.itl.setdefault(t, []).append((dt, n))
+                self.itl.setdefault(t, []).append((gap, n))
         finished = [s for s in self.running if s.prefill_left == 0 and s.generated >= s.request.output_tokens]
         if finished:
             done = set(finished)

@@ -35,6 +35,19 @@ class Profile:
     max_num_batched_tokens: int = 8192  # tokens one iteration computes: prefill chunks plus decode tokens
     gpus_per_engine: int = 1
     gpu_price_per_hour: float = 2.5
+    # A CPU tier for KV blocks (per engine; 0: none): blocks evicted from the GPU cache go there, least recently
+    # evicted out first; a prompt's leading blocks found there are loaded back at this cost instead of recomputed.
+    cpu_tier_tokens: int = 0
+    cpu_tier_load_per_token_s: float = 2e-6
+    # KV moved from a prefill engine to a decode engine over NIXL: a fixed cost plus a cost per token moved.
+    nixl_fixed_s: float = 0.002
+    nixl_per_token_s: float = 2e-6
+    # Speculative decoding (0 draft tokens: none): each decode step proposes `spec_draft_tokens` tokens, each
+    # accepted with probability `spec_acceptance` until the first refused, and yields the accepted ones plus one;
+    # the decode part of a step costs `spec_step_factor` times the plain step's (verifying the drafts, drafting).
+    spec_draft_tokens: int = 0
+    spec_acceptance: float = 0.0
+    spec_step_factor: float = 1.0
 
     def kv_blocks(self, block_tokens: int) -> int | None:
         """The KV capacity in blocks; None: unbounded (kv_capacity_tokens <= 0)."""
@@ -51,8 +64,17 @@ class Profile:
         for tokens, before in prefill:
             t += tokens * (self.prefill_per_token_s + self.prefill_attention_s * (before + tokens / 2) / 1000)
         if decode_seqs:
-            t += decode_seqs * self.decode_per_seq_s + self.decode_per_ktoken_s * decode_context / 1000
+            decode = decode_seqs * self.decode_per_seq_s + self.decode_per_ktoken_s * decode_context / 1000
+            t += decode * self.spec_step_factor if self.spec_draft_tokens > 0 else decode
         return t
+
+    def tokens_per_step(self) -> float:
+        """Tokens a decoding sequence gains per step: 1, or with speculative decoding the expected accepted draft
+        tokens (the first i accepted with probability a**i) plus the one sampled."""
+        k, a = self.spec_draft_tokens, self.spec_acceptance
+        if k <= 0 or a <= 0:
+            return 1.0
+        return 1.0 + sum(a**i for i in range(1, k + 1))
 
     def with_(self, **changes) -> Profile:
         return Profile(**{**asdict(self), **changes})

@@ -66,6 +66,19 @@ class Summary:
     cpu_s: float
     sim_requests_per_cpu_s: float
     per_tenant: dict[str, dict[str, float]]
+    # Flow control: seconds waited at the router's gate (requests let through or refused), refused past the limit.
+    flow_wait_p50: float = 0.0
+    flow_wait_p90: float = 0.0
+    timed_out: int = 0
+    cpu_tier_share: float = 0.0  # of prompt tokens, loaded from the CPU tier instead of computed
+    # Under the autoscaler: the fewest and most engines ready, and (time, replicas asked, ready) at each pass.
+    engines_min: int = 0
+    engines_max: int = 0
+    engines_over_time: list[tuple[float, int, int]] | None = None
+    # Prefill/decode pools and peer pulls: KV moved to the decode engines over NIXL.
+    transfers: int = 0
+    transferred_tokens: int = 0
+    transfer_s: float = 0.0
 
 
 def summarize(result: Result) -> Summary:
@@ -81,13 +94,20 @@ def summarize(result: Result) -> Summary:
     all_itl = [p for pairs in itl_by_tenant.values() for p in pairs]
     prompt = sum(s.request.input_tokens for s in done)
     output = sum(s.request.output_tokens for s in done)
-    cached = sum(s.cached_tokens for s in done)
+    # Tokens the engine found cached, less those another engine computed and it received (P/D, peer pulls).
+    cached = sum(max(0, s.cached_tokens - s.transferred_tokens) for s in done)
+    loaded = sum(s.loaded_tokens for s in done)
+    flow_waits = [w for waits in result.flow_waits.values() for w in waits]
     ceil_cached, ceil_total = ceiling([s.request for s in seqs])
     start = min((s.request.arrival_s for s in seqs), default=0.0)
     span = max(result.makespan_s - start, 1e-9)
     engines = result.engines
     profile = result.profile
-    engine_hours = engines * result.makespan_s / 3600
+    if result.lifetimes:  # the autoscaler's engines: each for its lifetime
+        engine_hours = sum(stop - start for start, stop in result.lifetimes) / 3600
+    else:
+        engine_hours = engines * result.makespan_s / 3600
+    ready = [n for _, _, n in result.timeline] or [engines]
     gpu_hours = engine_hours * profile.gpus_per_engine
     cost = gpu_hours * profile.gpu_price_per_hour
     per_tenant: dict[str, dict[str, float]] = {}
@@ -103,6 +123,9 @@ def summarize(result: Result) -> Summary:
                 "itl_p50": weighted_percentile(itl_by_tenant.get(t, []), 50),
                 "itl_p90": weighted_percentile(itl_by_tenant.get(t, []), 90),
                 "hit_share": sum(s.cached_tokens for s in mine) / p if p else 0.0,
+                "flow_wait_p50": percentile(result.flow_waits[t], 50) if result.flow_waits.get(t) else 0.0,
+                "flow_wait_p90": percentile(result.flow_waits[t], 90) if result.flow_waits.get(t) else 0.0,
+                "timed_out": sum(1 for r in result.timed_out if r.tenant == t),
                 # Its share of the cost: by the tokens it had computed (uncached prompt and output).
                 "work_share": 0.0,
             }
@@ -142,11 +165,21 @@ def summarize(result: Result) -> Summary:
         cost=cost,
         cost_per_mtok=cost / ((prompt + output) / 1e6) if prompt + output else math.nan,
         cost_per_m_output=cost / (output / 1e6) if output else math.nan,
-        busy_share=busy / (engines * result.makespan_s) if result.makespan_s else 0.0,
+        busy_share=busy / (engine_hours * 3600) if engine_hours else 0.0,
         makespan_s=result.makespan_s,
         cpu_s=result.cpu_s,
         sim_requests_per_cpu_s=len(seqs) / result.cpu_s if result.cpu_s else math.inf,
         per_tenant=per_tenant,
+        flow_wait_p50=percentile(flow_waits, 50) if flow_waits else 0.0,
+        flow_wait_p90=percentile(flow_waits, 90) if flow_waits else 0.0,
+        timed_out=len(result.timed_out),
+        cpu_tier_share=loaded / prompt if prompt else 0.0,
+        engines_min=min(ready),
+        engines_max=max(ready),
+        engines_over_time=list(result.timeline) or None,
+        transfers=len(result.transfers),
+        transferred_tokens=sum(t for t, _ in result.transfers),
+        transfer_s=sum(x for _, x in result.transfers),
     )
 
 
@@ -158,6 +191,9 @@ ROWS = (
     ("ITL p90 (ms)", lambda s: f"{s.itl_p90 * 1000:.1f}"),
     ("queued p50 (s)", lambda s: f"{s.queue_p50:.3f}"),
     ("queued p90 (s)", lambda s: f"{s.queue_p90:.3f}"),
+    ("at the router's gate p50 (s)", lambda s: f"{s.flow_wait_p50:.3f}"),
+    ("at the router's gate p90 (s)", lambda s: f"{s.flow_wait_p90:.3f}"),
+    ("refused after waiting", lambda s: f"{s.timed_out}"),
     ("requests/s", lambda s: f"{s.requests_per_s:.2f}"),
     ("output tokens/s", lambda s: f"{s.output_tokens_per_s:.0f}"),
     ("prompt tokens/s", lambda s: f"{s.prompt_tokens_per_s:.0f}"),
@@ -166,8 +202,11 @@ ROWS = (
         "of the ceiling",
         lambda s: f"{s.hit_share / s.ceiling_share:.1%} of {s.ceiling_share:.1%}" if s.ceiling_share else "-",
     ),
+    ("loaded from the CPU tier", lambda s: f"{s.cpu_tier_share:.1%}"),
+    ("KV transfers (tokens, s)", lambda s: f"{s.transfers} ({s.transferred_tokens}, {s.transfer_s:.1f})"),
     ("preemptions", lambda s: f"{s.preemptions}"),
     ("engine busy share", lambda s: f"{s.busy_share:.1%}"),
+    ("engines ready (fewest-most)", lambda s: f"{s.engines_min}-{s.engines_max}"),
     ("engine-hours", lambda s: f"{s.engine_hours:.2f}"),
     ("cost", lambda s: f"{s.cost:.2f}"),
     ("cost / M tokens", lambda s: f"{s.cost_per_mtok:.4f}"),
@@ -190,13 +229,19 @@ def tenant_table(summary: Summary) -> str:
         return ""
     lines = [
         f"{summary.mode}: per tenant",
-        "| tenant | requests | TTFT p50 (s) | TTFT p90 (s) | ITL p50 (ms) | ITL p90 (ms) | hit share | share of work |",
-        "|---|---|---|---|---|---|---|---|",
+        "| tenant | requests | TTFT p50 (s) | TTFT p90 (s) | ITL p50 (ms) | ITL p90 (ms) | hit share | share of work "
+        "| gate p50 (s) | gate p90 (s) | refused |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for t, row in summary.per_tenant.items():
         lines.append(
             f"| {t} | {row['requests']:.0f} | {row['ttft_p50']:.3f} | {row['ttft_p90']:.3f} | "
             f"{row['itl_p50'] * 1000:.1f} | {row['itl_p90'] * 1000:.1f} | {row['hit_share']:.1%} | "
-            f"{row['work_share']:.1%} |"
+            f"{row['work_share']:.1%} | {_num(row['flow_wait_p50'])} | {_num(row['flow_wait_p90'])} | "
+            f"{row['timed_out']:.0f} |"
         )
     return "\n".join(lines)
+
+
+def _num(x: float) -> str:
+    return "-" if math.isnan(x) else f"{x:.3f}"

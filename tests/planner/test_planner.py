@@ -11,7 +11,7 @@ from planner.profile import Profile
 from planner.report import summarize
 from planner.sim import Simulation, simulate
 from planner.trace import TraceRequest, assign_tenants, ceiling, load_trace, parse, tenant_rule
-from routing.framework import REGISTRY
+from routing.scheduling.pipeline import REGISTRY
 
 pytestmark = pytest.mark.unit
 
@@ -130,7 +130,7 @@ class Pinned:
 
 
 def test_the_routing_goes_through_the_platforms_pipeline():
-    from routing.pipeline import Pipeline
+    from routing.scheduling.pipeline import Pipeline
 
     registry = REGISTRY.copy()
     # Weighed by the prefix weight (3.0 by default): more than any load score can make up.
@@ -154,7 +154,7 @@ def test_the_pipeline_reads_the_virtual_clock():
             seen.append(ctx.now)
             return [0.0] * len(candidates)
 
-    from routing.pipeline import Pipeline
+    from routing.scheduling.pipeline import Pipeline
 
     registry = REGISTRY.copy()
     registry.scorer("clocked", Clocked(), weight="queue_weight", key="clocked")
@@ -166,11 +166,11 @@ def test_the_pipeline_reads_the_virtual_clock():
 
 def test_no_routing_module_reads_the_time_during_a_pick():
     """Every plugin of a pick reads ctx.now, which the pipeline sets from its clock: none imports `time`."""
-    import routing.picker
-    import routing.scorers.queue
-    import routing.steps
+    import routing.scheduling.picker
+    import routing.scheduling.scorers.queue
+    import routing.scheduling.steps
 
-    for module in (routing.picker, routing.steps, routing.scorers.queue):
+    for module in (routing.scheduling.picker, routing.scheduling.steps, routing.scheduling.scorers.queue):
         assert not hasattr(module, "time"), module.__name__
 
 

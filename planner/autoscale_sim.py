@@ -1,0 +1,142 @@
+"""The autoscaler on the virtual clock: serving/autoscaling.py's own rule (`recommend`, with `Signals` and `Trend`
+from its `growth`) and `stabilise`, evaluated every `interval_s` (the worker's AUTOSCALER_INTERVAL_S) on the
+simulated pool. An engine asked for is ready `startup_s` later; one let go leaves the routing at once and stops
+when it has drained (nothing running or waiting). Each engine's lifetime, start to stop, is its engine-time.
+
+What is the simulation's, because the platform's pass (`autoscale_all`) reads and writes the database and Redis:
+the signals are read from the simulated engines as `pool_signals` reads the scraped loads (running + waiting,
+mean KV use over the ready engines, the routers' uncached prompt backlog: `EndpointLoad.prefill_left`); TTFT p90
+over the latency window from the simulated requests (the ledger's figure); the recommendations of the last
+windows and the trend's samples are kept in memory instead of Redis; the start-up time is given
+(`startup_seconds` reads the pool's recorded lifetimes). The inter-token latency p90 is not given (None): a policy
+with only `itl_p90_s` asks for nothing here. Which engine goes on a scale-down: the ready one with the fewest
+requests in flight (the latest started among equals).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from .django_env import ensure_django
+
+ensure_django()
+
+from serving.autoscaling import TREND_WINDOW_S, Signals, Trend, growth, recommend, stabilise  # noqa: E402
+from serving.models import AutoscalingPolicy  # noqa: E402
+
+POLICY_FIELDS = {
+    "min_replicas",
+    "max_replicas",
+    "ttft_p90_s",
+    "queued_prompt_tokens_per_replica",
+    "itl_p90_s",
+    "kv_cache_utilization",
+    "running_requests_per_replica",
+    "scale_up_window_s",
+    "scale_down_window_s",
+    "max_scale_up_step",
+    "max_scale_down_step",
+}
+
+
+@dataclass
+class Autoscale:
+    """`Simulation(autoscale=Autoscale(...))`: the pool's AutoscalingPolicy fields, its start-up time, the pass
+    interval and the latency window (the worker's settings' defaults)."""
+
+    policy: dict = field(default_factory=dict)
+    startup_s: float = 60.0
+    interval_s: float = 5.0
+    latency_window_s: float = 60.0
+
+    def __post_init__(self):
+        unknown = sorted(set(self.policy) - POLICY_FIELDS)
+        if unknown:
+            raise ValueError(f"unknown autoscaling policy fields: {', '.join(unknown)}")
+        if self.startup_s < 0 or self.interval_s <= 0 or self.latency_window_s <= 0:
+            raise ValueError("startup_s must be >= 0, interval_s and latency_window_s > 0")
+
+
+class Autoscaler:
+    def __init__(self, sim, spec: Autoscale | dict):
+        if isinstance(spec, dict):  # Autoscale's fields
+            spec = Autoscale(**spec)
+        self.sim = sim
+        self.spec = spec
+        self.policy = AutoscalingPolicy(
+            enabled=True, **spec.policy
+        )  # never saved: recommend reads its fields
+        if self.policy.min_replicas > self.policy.max_replicas:
+            raise ValueError("min_replicas is above max_replicas")
+        self.history: list[tuple[float, int]] = []  # (time, recommended replicas)
+        self.samples: deque[tuple[float, Signals]] = deque()  # this pool's passes, for the trend
+        self.ttfts: deque[tuple[float, float]] = deque()  # (first token at, TTFT) over the latency window
+        self.replicas = len(sim.engines)  # what the pool asks for: ready and starting
+        self.timeline: list[tuple[float, int, int]] = []  # (time, replicas asked, engines ready)
+
+    def first_token(self, at: float, ttft: float) -> None:
+        self.ttfts.append((at, ttft))
+
+    def signals(self, now: float) -> Signals:
+        sim = self.sim
+        ready = [e.id for e in sim.deployment.endpoints]
+        running = queued = 0.0
+        kv = []
+        for eid in ready:
+            load = sim.loads[eid]
+            running += load.running + load.waiting  # as scraped
+            kv.append(load.kv_usage)
+            queued += load.prefill_left(now)
+        while self.ttfts and now - self.ttfts[0][0] > self.spec.latency_window_s:
+            self.ttfts.popleft()
+        ttft = None
+        if self.ttfts:
+            values = sorted(t for _, t in self.ttfts)
+            ttft = values[min(len(values) - 1, math.ceil(0.9 * len(values)) - 1)]
+        return Signals(
+            ready=len(ready),
+            queued_prompt_tokens=queued,
+            running_requests=running,
+            kv_cache_utilization=sum(kv) / len(kv) if kv else None,
+            ttft_p90_s=ttft,
+            itl_p90_s=None,
+            requests=len(self.ttfts),
+        )
+
+    def trend(self, now: float, signals: Signals) -> Trend:
+        while self.samples and now - self.samples[0][0] > TREND_WINDOW_S:
+            self.samples.popleft()
+
+        def slope(name: str) -> float:
+            new = getattr(signals, name)
+            if new is None:
+                return 0.0
+            points = [(t, getattr(s, name)) for t, s in self.samples if getattr(s, name) is not None]
+            return growth([*points, (now, new)])
+
+        return Trend(slope("queued_prompt_tokens"), slope("running_requests"), slope("kv_cache_utilization"))
+
+    def tick(self, now: float) -> None:
+        """One pass of the worker's autoscaler over the pool."""
+        policy = self.policy
+        signals = self.signals(now)
+        trend = self.trend(now, signals)
+        self.samples.append((now, signals))
+        recommendation = recommend(policy, self.replicas, signals, trend, self.spec.startup_s)
+        self.history.append((now, recommendation.replicas))
+        keep = max(policy.scale_up_window_s, policy.scale_down_window_s)
+        while self.history and now - self.history[0][0] > keep + 1:
+            self.history.pop(0)
+        target = stabilise(
+            self.history, now, self.replicas, policy.scale_up_window_s, policy.scale_down_window_s
+        )
+        if target > self.replicas:
+            for _ in range(target - self.replicas):
+                self.sim.start_engine(now, self.spec.startup_s)
+        elif target < self.replicas:
+            for _ in range(self.replicas - target):
+                self.sim.drain_engine(now)
+        self.replicas = target
+        self.timeline.append((now, target, len(self.sim.deployment.endpoints)))
