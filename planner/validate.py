@@ -1,0 +1,223 @@
+"""The planner against real runs: a run recorded through the router's own traffic tracing (a Mooncake trace from
+`manage.py export_trace`, with the run's configuration and measured figures beside it as JSON; see
+`bench/prefix_routing.py --trace-out`) simulated with the matching profile and configuration, and the simulated
+TTFT p50 / p90, throughput and prefix-hit share set against the measured ones, each with its relative error.
+
+The figures are computed here as the benchmark computes them (bench/prefix_routing.py `summarize`): percentiles
+by rank (the value at index int(q * n) of the sorted TTFTs), throughput as finished requests over the span from
+the first arrival to the last end, the hit share as cached prompt tokens over prompt tokens (the engines'
+`prefix_cache_hits / prefix_cache_queries`). A simulated TTFT runs from the request's arrival at the router (the
+recorded arrival) to its first token; a measured one from the client's send to the first streamed token.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .profile import Profile
+from .trace import TraceRequest, load_trace
+
+FIGURES = ("ttft_p50", "ttft_p90", "rps", "hit_share")
+LABELS = {"ttft_p50": "TTFT p50 (ms)", "ttft_p90": "TTFT p90 (ms)", "rps": "req/s", "hit_share": "hit share"}
+MODES = {"round_robin", "least_loaded", "approximate", "precise"}
+
+
+@dataclass
+class Run:
+    """One recorded run: its trace, its configuration and what was measured."""
+
+    path: Path  # the JSON file
+    workload: str
+    policy: str
+    round: int
+    config: dict
+    measured: dict[str, float]
+    trace: Path
+    requests: list[TraceRequest] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return f"{self.workload} / {self.policy} / round {self.round}"
+
+
+def load_run(path: str | Path) -> Run:
+    path = Path(path)
+    data = json.loads(path.read_text())
+    trace = path.parent / data["trace"]
+    return Run(
+        path=path,
+        workload=data["workload"],
+        policy=data["policy"],
+        round=int(data.get("round", 1)),
+        config=data["config"],
+        measured={k: float(v) for k, v in data["measured"].items()},
+        trace=trace,
+        requests=load_trace(trace),
+    )
+
+
+def load_runs(folder: str | Path) -> list[Run]:
+    """Every recorded run in a folder (its `*.json` files with a trace beside them), in name order."""
+    runs = []
+    for path in sorted(Path(folder).glob("*.json")):
+        data = json.loads(path.read_text())
+        if "trace" in data and "measured" in data and data.get("config", {}).get("mode") in MODES:
+            runs.append(load_run(path))
+    return runs
+
+
+def profile_for(run: Run, profile: str | Path | None = None, router_latency: bool = False) -> Profile:
+    """The run's profile (the one it names unless `profile` is given) with the run's KV capacity and
+    max_num_seqs; with `router_latency`, the router's own measured mean added latency in the run (its
+    `router_added_latency_seconds`: parsing, tokenizing, the pick) added to the request overhead, so that a
+    request reaches its engine's scheduler as late as the real router sent it."""
+    cfg = run.config
+    base = Profile.load(profile or cfg["profile"])
+    changes = {"max_num_seqs": int(cfg["max_num_seqs"])}
+    if router_latency:
+        added = run.measured.get("router_added_ms", math.nan)
+        if math.isnan(added):
+            raise ValueError(f"{run.path}: the run did not record the router's added latency")
+        changes["request_overhead_s"] = base.request_overhead_s + added / 1000
+    if cfg.get("kv_blocks"):
+        changes["kv_capacity_tokens"] = int(cfg["kv_blocks"]) * int(cfg["block_size"])
+    if cfg.get("max_num_batched_tokens"):
+        changes["max_num_batched_tokens"] = int(cfg["max_num_batched_tokens"])
+    return base.with_(**changes)
+
+
+def rank_pct(values: list[float], q: float) -> float:
+    """The benchmark's percentile: the value at index int(q * n) of the sorted values."""
+    if not values:
+        return math.nan
+    xs = sorted(values)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def figures(seqs) -> dict[str, float]:
+    """A simulation's figures, defined as the benchmark defines its own."""
+    done = [s for s in seqs if s.first_token_s >= 0]
+    ttft = [s.first_token_s - s.request.arrival_s for s in done]
+    prompt = sum(s.request.input_tokens for s in done)
+    cached = sum(max(0, s.cached_tokens) for s in done)
+    start = min((s.request.arrival_s for s in seqs), default=0.0)
+    end = max((s.finished_s for s in done), default=0.0)
+    return {
+        "ttft_p50": rank_pct(ttft, 0.5) * 1000,
+        "ttft_p90": rank_pct(ttft, 0.9) * 1000,
+        "rps": len(done) / (end - start) if end > start else math.nan,
+        "hit_share": cached / prompt if prompt else math.nan,
+    }
+
+
+def simulate_run(
+    run: Run, profile: str | Path | None = None, router_latency: bool = False
+) -> dict[str, float]:
+    """The run replayed on the planner: the same arrivals, engines, mode, policy overrides, block size, KV
+    capacity (engines' and the approximate index's) and max_num_seqs."""
+    from .sim import Simulation
+
+    cfg = run.config
+    prof = profile_for(run, profile, router_latency)
+    policy = dict(cfg.get("policy_overrides") or {})
+    sim = Simulation(
+        run.requests,
+        int(cfg["engines"]),
+        prof,
+        cfg["mode"],
+        block_tokens=int(cfg["block_size"]),
+        policy=policy,
+        approx_capacity_blocks=int(cfg["kv_blocks"]) if cfg.get("kv_blocks") else None,
+    )
+    return figures(sim.run().seqs)
+
+
+def rel_error(simulated: float, measured: float) -> float:
+    if measured == 0 or math.isnan(measured) or math.isnan(simulated):
+        return math.nan
+    return abs(simulated - measured) / abs(measured)
+
+
+@dataclass
+class Comparison:
+    run: Run
+    simulated: dict[str, float]
+    errors: dict[str, float]
+
+    @property
+    def median_error(self) -> float:
+        values = [e for e in self.errors.values() if not math.isnan(e)]
+        return statistics.median(values) if values else math.nan
+
+
+def compare(run: Run, profile: str | Path | None = None, router_latency: bool = False) -> Comparison:
+    simulated = simulate_run(run, profile, router_latency)
+    return Comparison(run, simulated, {k: rel_error(simulated[k], run.measured[k]) for k in FIGURES})
+
+
+def fmt(key: str, value: float) -> str:
+    if math.isnan(value):
+        return "n/a"
+    if key == "hit_share":
+        return f"{value:.1%}"
+    if key == "rps":
+        return f"{value:.2f}"
+    return f"{value:,.0f}"
+
+
+def table(comparisons: list[Comparison]) -> str:
+    """One row per run: measured / simulated and the relative error of each figure, and their median."""
+    head = ["workload", "policy", "round", "requests"]
+    head += [f"{LABELS[k]}: real / sim (error)" for k in FIGURES]
+    head.append("median error")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 4 + "---:|" * (len(FIGURES) + 1)]
+    for c in comparisons:
+        r = c.run
+        cells = [r.workload, r.policy, str(r.round), str(len(r.requests))]
+        for k in FIGURES:
+            cells.append(f"{fmt(k, r.measured[k])} / {fmt(k, c.simulated[k])} ({c.errors[k]:.0%})")
+        cells.append(f"**{c.median_error:.1%}**")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def by_configuration(comparisons: list[Comparison]) -> dict[tuple[str, str], list[Comparison]]:
+    out: dict[tuple[str, str], list[Comparison]] = {}
+    for c in comparisons:
+        out.setdefault((c.run.workload, c.run.policy), []).append(c)
+    return out
+
+
+def summary_table(comparisons: list[Comparison], target: float) -> str:
+    """Per configuration (workload and policy, over its rounds): the median error of each figure, the spread of
+    the measured figures over the rounds, and the median error against the target."""
+    head = ["workload", "policy", "rounds"]
+    head += [f"{LABELS[k]} error (real spread)" for k in FIGURES]
+    head += ["median error", f"target {target:.0%}"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 3 + "---:|" * (len(FIGURES) + 2)]
+    for (workload, policy), group in by_configuration(comparisons).items():
+        cells = [workload, policy, str(len(group))]
+        for k in FIGURES:
+            errs = [c.errors[k] for c in group if not math.isnan(c.errors[k])]
+            real = [c.run.measured[k] for c in group]
+            spread = f"{fmt(k, min(real))}-{fmt(k, max(real))}" if len(real) > 1 else fmt(k, real[0])
+            err = statistics.median(errs) if errs else math.nan
+            cells.append(f"{err:.0%} ({spread})")
+        med = configuration_error(group)
+        cells += [f"**{med:.1%}**", "met" if med <= target else "MISSED"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def configuration_error(group: list[Comparison]) -> float:
+    """A configuration's median error: the median over its figures of each figure's median error over rounds."""
+    per_figure = []
+    for k in FIGURES:
+        errs = [c.errors[k] for c in group if not math.isnan(c.errors[k])]
+        if errs:
+            per_figure.append(statistics.median(errs))
+    return statistics.median(per_figure) if per_figure else math.nan

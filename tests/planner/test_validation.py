@@ -1,0 +1,86 @@
+"""The planner against a real run, small: the routing benchmark's quick agentic workload (150 requests over about
+10 s) through the platform's router onto 8 engine-simulator processes, recorded by the router's own traffic
+tracing (drained by the worker's task, exported by manage.py export_trace), then simulated on the planner with
+the sim-bench profile and the run's configuration, and the figures compared (planner/validate.py).
+
+The bounds, and why they are what this size can hold on a shared 2-core machine:
+- the trace is the run's: every request sent is in it, at its recorded arrival;
+- hit share within 5 % (relative): the engines' prefix caches decide it, and the planner's engine caches
+  the same blocks (round-robin places requests as the router did, so there it is exact but for timing; precise
+  picks on the same held blocks);
+- throughput within 5 %: an open-loop replay's requests per second is its arrivals' span plus the last request's
+  latency, both recorded;
+- TTFT p50 and p90 within 50 % each, and the run's median error over the four figures within 15 %: a TTFT
+  here is 40 to 200 ms, and the planner counts none of the HTTP hops from client to router to engine and back
+  (about 10 ms: its profile is fitted to the engine's own TTFT clock), so it is low by 10 to 22 % at p50 when the
+  machine is quiet; the real run's share of a contended machine (the router, the client, the ingester and 8
+  engines on 2 cores, other work beside them) adds tens of milliseconds more that no profile holds (one run here
+  measured precise's p50 at 65 ms against 48 to 51 in four others); p90 of 150 requests is the 15th-slowest, so
+  one burst moves it by its whole size. Measured here, several runs each: see
+  docs/planner.md#validation-against-real-runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from planner.trace import load_trace
+from planner.validate import FIGURES, compare, load_runs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+POLICIES = ["round_robin", "precise"]
+BOUNDS = {"hit_share": 0.05, "rps": 0.05, "ttft_p50": 0.5, "ttft_p90": 0.5}
+MEDIAN_BOUND = 0.15
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    """The quick agentic run of bench/prefix_routing.py, each policy recorded through the router's tracing."""
+    if not (os.environ.get("DATABASE_URL") and os.environ.get("REDIS_URL")):
+        pytest.fail("needs the suite's PostgreSQL and Redis (run under the devstack)")
+    out = tmp_path_factory.mktemp("validation")
+    cmd = [sys.executable, "-m", "bench.prefix_routing", "--quick", "--workloads", "agentic", "--skip-peer"]
+    cmd += ["--policies", *POLICIES, "--trace-out", str(out)]
+    run = subprocess.run(cmd, cwd=ROOT, env=os.environ, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return out, run.stderr
+
+
+def test_every_request_of_the_run_is_in_its_own_trace(recorded):
+    out, _ = recorded
+    for policy in POLICIES:
+        record = json.loads((out / f"agentic-{policy}-1.json").read_text())
+        assert record["measured"]["requests"] == record["trace_requests"] == record["ok_requests"] > 100, (
+            record
+        )
+        trace = load_trace(out / record["trace"])
+        assert len(trace) == record["trace_requests"]
+        span = trace[-1].arrival_s - trace[0].arrival_s
+        assert 5 < span < 30  # the quick replay's 8 s of arrivals, plus turns held back
+        assert all(r.hash_ids and r.output_tokens >= 1 for r in trace)
+        # Prefixes survive the export: past the system prompt all sessions share (4 x 512 tokens: 16 blocks), a
+        # turn or sub-agent extends its session's earlier context.
+        seen: set[int] = set()
+        extending = 0
+        for r in trace:
+            extending += len(r.hash_ids) > 17 and r.hash_ids[17] in seen
+            seen.update(r.hash_ids)
+        assert extending > len(trace) // 2
+        assert record["config"]["mode"] == policy and record["config"]["kv_blocks"] == 2048
+
+
+def test_the_planner_reproduces_the_run_within_the_bounds(recorded):
+    out, _ = recorded
+    runs = load_runs(out)
+    assert sorted(r.policy for r in runs) == sorted(POLICIES)
+    for run in runs:
+        c = compare(run)
+        detail = {k: (run.measured[k], c.simulated[k], round(c.errors[k], 3)) for k in FIGURES}
+        for figure, bound in BOUNDS.items():
+            assert c.errors[figure] <= bound, (run.label, figure, detail)
+        assert c.median_error <= MEDIAN_BOUND, (run.label, detail)
