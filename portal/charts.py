@@ -14,6 +14,9 @@ added up per step (tenants/usage_series.py).
 The answer: `t`, the steps' starts (seconds since the epoch), and `charts`, each with its `series`, each with a
 value per step (`values`) and a unit the browser formats (per_min, tokens_per_min, ms, ratio, replicas,
 requests, tokens, money:<currency>).
+
+Over 400 lines: each chart's series read the same period and steps, and change together with the page's
+script.
 """
 
 from __future__ import annotations

@@ -1,6 +1,9 @@
 """Portal pages. Thin: check who asks, call one selector or service, render.
 
 Every tenant-owned lookup goes through the caller's Access scope: another tenant's object is not found.
+
+Over 400 lines: thin views, one per page, sharing the access scope and its helpers; the what-if, alerts and
+live pages have modules of their own.
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@ A deployment names its parsers, leaves them blank for its family's default, or s
 (ModelDeployment.tool_call_parser and reasoning_parser). The names are those of the pinned vLLM 0.32
 (vllm/tool_parsers/__init__.py and vllm/reasoning/__init__.py); tests/serving/test_model_families.py checks
 them against the engine itself, so an upgrade that renames a parser fails there first.
+
+Over 400 lines: the table of families and the rules that read a model's config to find its family are one
+lookup.
 """
 
 from __future__ import annotations

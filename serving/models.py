@@ -1,4 +1,7 @@
-"""What the operator wants served (deployments and their pools) and what is really running (endpoints)."""
+"""What the operator wants served (deployments and their pools) and what is really running (endpoints).
+
+Over 400 lines: Django keeps an app's models in one module; deployments, pools and endpoints refer to one
+another."""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""Who may use the platform, with which keys, under which limits and at which prices; and what they used."""
+"""Who may use the platform, with which keys, under which limits and at which prices; and what they used.
+
+Over 400 lines: Django keeps an app's models in one module, and these refer to one another (tenants, teams,
+keys, quotas, prices, the ledger)."""
 
 from __future__ import annotations
 

@@ -10,6 +10,9 @@ The engine's arguments come from engine_command.render_engine_command, the same 
 uses; only what differs in a pod is changed: it listens on all addresses, the model path is taken as given, and
 addresses that name the engine (KV-events topic, NIXL side channel) use the pod's IP from the downward API,
 and its OpenAI routes require the deployment's API key (VLLM_API_KEY from the Secret).
+
+Over 400 lines: every object of a deployment is rendered from the same pool settings and names, and the golden
+manifests test them together.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ Each reconcile looks at what really runs (processes carrying our marks, and thei
 the deployment, and acts: start what is missing, restart what crashed (with exponential backoff) or runs an old
 configuration, stop what is no longer wanted. It records one Endpoint row per engine. Running it twice in a row
 changes nothing but health and last_seen_at.
+
+Over 400 lines: reconciling, starting and supervising a pool's processes share the marks and state each reads.
 """
 
 from __future__ import annotations

@@ -1,3 +1,8 @@
+"""The REST API's serializers of tenants, teams, members, keys, quotas, prices and usage.
+
+Over 400 lines: one serializer per resource of the tenants API, sharing their validation helpers.
+"""
+
 from __future__ import annotations
 
 from django.contrib.auth import get_user_model
