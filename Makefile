@@ -63,9 +63,11 @@ test: $(STAMP) engine-env browser kubectl agents promtool
 
 ## The unit tier: pure functions (scorers, the picker, dialect conversion, field rules, render pieces), in
 ## seconds, with no database, Redis or process: the URLs below lead nowhere, so a test that reaches for one fails.
+## Only the files that hold unit tests are collected; the heavy ones (long renders, simulations) run in `make test`.
 test-unit: $(STAMP)
 	DEBUG=true PLATFORM_STATE_DIR=.local/unit DATABASE_URL=postgres://unit-tier@127.0.0.1:1/none \
-	REDIS_URL=redis://127.0.0.1:1/0 $(PY) -m pytest tests -m unit -p no:cacheprovider $(PYTEST_ARGS)
+	REDIS_URL=redis://127.0.0.1:1/0 $(PY) -m pytest $$(grep -rl --include='test_*.py' 'mark\.unit' tests) \
+	-m "unit and not heavy" -p no:cacheprovider $(PYTEST_ARGS)
 
 ## The inner loop: the suite less the tests that need real vLLM, Chromium, kubectl or the agents' CLIs (markers in
 ## pyproject.toml).

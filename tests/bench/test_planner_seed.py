@@ -12,6 +12,7 @@ from bench import planner_seed
 pytestmark = pytest.mark.unit
 
 
+@pytest.mark.heavy
 def test_a_tiny_run_prints_every_row_next_to_the_published_figures(capsys):
     argv = ["--agents", "40", "--gpus", "32", "--minutes", "2", "--prefill-engines", "2"]
     assert planner_seed.main(argv) == 0

@@ -148,6 +148,7 @@ def _consume(value) -> None:
             _consume(item)
 
 
+@pytest.mark.heavy
 def test_chat_workloads_are_deterministic_and_render_as_the_router_renders_them():
     import pydantic
     from anthropic.types.message_create_params import MessageCreateParamsStreaming

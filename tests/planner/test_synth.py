@@ -131,6 +131,7 @@ def test_the_profile_is_an_engine_of_8_h100s_with_its_sources():
     assert 0.015 < p.step_fixed_s < 0.03
 
 
+@pytest.mark.heavy
 def test_the_fit_serves_the_published_rate_per_engine_on_a_scaled_down_fleet():
     """4 engines and 2,500 x 4 / 68 agents, 12 minutes (joining over 3, the first 6 not counted): the published
     load per engine, served with the cache hits near the published 85.2 % and no queue building up."""

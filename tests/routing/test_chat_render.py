@@ -243,6 +243,7 @@ def result(path: str, call: str) -> dict:
     return {"role": "tool", "tool_call_id": call, "content": f"file {call}"}
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     "template",
     [None, REASONING, NUMBERED, WRAPPING],
@@ -314,6 +315,7 @@ def test_what_else_the_template_sees_is_compared_too(path):
         assert tokenizer.render_request(payload, path) == whole(tokenizer, payload, path)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
 def test_every_agent_shape_renders_alike_message_by_message(case):
     """Each corpus request, grown message by message (or Responses input item by item) as a conversation
@@ -336,6 +338,7 @@ def test_every_agent_shape_renders_alike_message_by_message(case):
         assert tokenizer.render_request(payload, case.path) == expected
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("name", sorted(INELIGIBLE))
 def test_a_loop_that_may_depend_on_more_is_rendered_whole(name):
     env = sandbox()

@@ -399,6 +399,7 @@ def filler(words: int) -> str:
     ],
     ids=["responses-instructions", "chat-documents", "chat-template-kwargs", "messages-system"],
 )
+@pytest.mark.heavy
 def test_the_reserved_prompt_bound_covers_every_field_that_reaches_the_prompt(tokenizers, path, fields):
     """`instructions`, `documents`, `chat_template_kwargs`: what a request reserves (and pays when cut short
     before the router counted it) bounds the whole prompt, whatever field holds it."""

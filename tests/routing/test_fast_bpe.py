@@ -130,5 +130,6 @@ def another_merge(spec: dict) -> list[str] | str:
         pytest.param(lambda s: s["model"]["merges"].append(another_merge(s)), id="two merges, one token"),
     ],
 )
+@pytest.mark.heavy
 def test_a_tokenizer_it_cannot_stand_in_for_keeps_its_own_tokenising(change):
     assert fast_encoder(variant(change)) is None

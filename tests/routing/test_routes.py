@@ -197,6 +197,7 @@ def test_only_an_entry_that_may_be_disaggregated_is_planned(extra_routes):
 # --- the simulator and the docs ---------------------------------------------------------------------------------
 
 
+@pytest.mark.heavy
 def test_the_simulator_serves_a_new_entry_as_vllm_serves_its_kind(extra_routes):
     model = ServedModel(
         names=[MODEL_NAME],
