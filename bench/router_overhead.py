@@ -49,7 +49,6 @@ from bench.harness import (
     PEERS,
     PYTHON,
     ROOT,
-    ROUTER_HTTP,
     STATE,
     Installer,
     Processes,
@@ -66,6 +65,7 @@ from bench.harness import (
     peer_env,
     platform_env,
     quiesce,
+    router_http,
     run,
     sim_deployment,
     tree_cpu,
@@ -232,8 +232,7 @@ def start_router(
     """Our router, from this checkout or from `source` (a worktree of another commit, for --baseline)."""
     port = free_port()
     argv = [PYTHON, "-m", "uvicorn", "inference_platform.asgi:application", "--host", "127.0.0.1"]
-    # A baseline from before the router's own protocol (routing/server/http_server.py) runs on plain httptools.
-    http = ROUTER_HTTP if (source / "routing" / "http_server.py").exists() else "httptools"
+    http = router_http(source)  # as that tree has it: a baseline may predate the router's own protocol
     argv += ["--port", str(port), "--loop", "uvloop", "--http", http, "--no-access-log"]
     argv += ["--workers", "1", "--log-level", "warning"]
     env = {**env, "PYTHONPATH": str(source)}
