@@ -558,7 +558,7 @@ def quota_gap(world: World, redis_url: str) -> tuple[int, int, int]:
     import redis
     from django.db.models import F, Max, Sum
 
-    from routing.metering.admission import quota_counters
+    from routing.contracts import quota_counters
     from tenants.models import Quota, UsageRecord
 
     quota = Quota.objects.get(team_id=world.team_id)
