@@ -26,18 +26,11 @@ ensure_django()
 from serving.autoscaling import TREND_WINDOW_S, Signals, Trend, growth, recommend, stabilise  # noqa: E402
 from serving.models import AutoscalingPolicy  # noqa: E402
 
+# The policy's thresholds and steps: its model's own fields, less the pool it belongs to and the bookkeeping.
 POLICY_FIELDS = {
-    "min_replicas",
-    "max_replicas",
-    "ttft_p90_s",
-    "queued_prompt_tokens_per_replica",
-    "itl_p90_s",
-    "kv_cache_utilization",
-    "running_requests_per_replica",
-    "scale_up_window_s",
-    "scale_down_window_s",
-    "max_scale_up_step",
-    "max_scale_down_step",
+    f.name
+    for f in AutoscalingPolicy._meta.concrete_fields
+    if not f.primary_key and not f.is_relation and f.name not in {"enabled", "paused_reason", "updated_at"}
 }
 
 
