@@ -15,7 +15,7 @@ Speculative decoding (`spec_draft_tokens`, `spec_acceptance`): each decode step 
 (Profile.tokens_per_step), kept as a fraction per sequence so that no token is lost or counted twice.
 
 The fleet's directory (`directory`, shared by the engines of a simulation): block -> the engines holding it in
-either tier, kept as blocks enter and leave; the precise index walks it once along a prompt instead of asking every
+either tier (a bit mask of engine ids), kept as blocks enter and leave; the precise index walks it once along a prompt instead of asking every
 engine.
 
 Over 400 lines (a little): the cache's tiers, the directory and the scheduler share the block bookkeeping.
@@ -27,9 +27,18 @@ import math
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import compress, filterfalse, repeat, takewhile
+from operator import add, and_, not_, or_, sub, truth
 
 from .profile import Profile
 from .trace import TraceRequest, cached_tokens_for
+
+
+# The block bookkeeping runs over each prompt's hundreds of blocks per request: it is written as C-level passes
+# (map, zip, compress, dict.update) over the blocks, not Python loops, which made it most of the simulation's time.
+def _drain(iterator) -> None:
+    """Run an iterator of calls made for their effect."""
+    deque(iterator, maxlen=0)
 
 
 @dataclass(eq=False, slots=True)
@@ -54,6 +63,10 @@ class Seq:
     load_due: int = 0  # of those, still to be paid for in its next prefill chunk
     spec_frac: float = 0.0  # speculative decoding: the fraction of a token gained beyond `generated`
     transferred_tokens: int = 0  # KV tokens received from a prefill engine (prefill/decode pools)
+    unique: bool = True  # its blocks are distinct (set by __post_init__), as chained block ids are
+
+    def __post_init__(self) -> None:
+        self.unique = len(set(self.blocks)) == len(self.blocks)
 
     @property
     def context(self) -> int:
@@ -73,7 +86,7 @@ class Engine:
         schedule: Callable[[float, Engine, int], None],
         on_first_token: Callable[[Seq, float], None],
         on_finish: Callable[[Seq, float], None],
-        directory: dict[int, set[int]] | None = None,
+        directory: dict[int, int] | None = None,
     ):
         self.id = engine_id
         self.profile = profile
@@ -87,6 +100,7 @@ class Engine:
         self.cpu: OrderedDict[int, None] = OrderedDict()  # the CPU tier, least recently evicted first
         self.cpu_capacity = profile.cpu_tier_tokens // block_tokens if profile.cpu_tier_tokens > 0 else 0
         self.directory = directory
+        self.bit = 1 << engine_id  # its bit in the directory's masks
         self.cpu_hits = 0  # blocks loaded from the CPU tier
         self.step_tokens = profile.tokens_per_step()
         self.step_room = math.ceil(self.step_tokens)  # tokens a decoding sequence may gain in one step
@@ -113,47 +127,51 @@ class Engine:
     # The prefix cache, as the KV events report it.
     def held(self, blocks: tuple[int, ...] | list[int]) -> int:
         """The prompt's leading blocks the GPU cache holds."""
-        n = 0
-        ref = self.ref
-        for h in blocks:
-            if h not in ref:
-                break
-            n += 1
-        return n
+        return len(list(takewhile(self.ref.__contains__, blocks)))
 
     def held_tiers(self, blocks: tuple[int, ...] | list[int], start: int = 0) -> tuple[int, int]:
-        """(GPU, CPU): the prompt's leading blocks held in either tier, by tier (as the index counts them),
-        the first `start` known to be held."""
+        """(GPU, CPU): the prompt's leading blocks held in either tier, by tier (as the index counts them), the
+        first `start` known to be held."""
         ref, cpu = self.ref, self.cpu
-        gpu = n = 0
-        for h in blocks[:start]:
-            if h in ref:
-                gpu += 1
-        n = start
-        for h in blocks[start:]:
-            if h in ref:
-                gpu += 1
-            elif h not in cpu:
-                break
-            n += 1
+        rest = blocks[start:]
+        if not cpu:
+            return start + len(list(takewhile(ref.__contains__, rest))), 0
+        n = start + len(
+            list(takewhile(truth, map(or_, map(ref.__contains__, rest), map(cpu.__contains__, rest))))
+        )
+        gpu = sum(map(ref.__contains__, blocks[:n]))
         return gpu, n - gpu
 
     # The fleet's directory: an engine enters a block when it first holds it in either tier, leaves it when it
-    # holds it in neither.
+    # holds it in neither. Holders are a bit mask of engine ids (bit 1 << id): ints, not a set per block, so that
+    # a prompt's blocks enter and leave in C-level passes that allocate no containers.
     def _enter(self, h: int) -> None:
-        if self.directory is not None:
-            holders = self.directory.get(h)
-            if holders is None:
-                self.directory[h] = {self.id}
-            else:
-                holders.add(self.id)
+        directory = self.directory
+        if directory is not None:
+            directory[h] = directory.get(h, 0) | self.bit
+
+    def _enter_all(self, hs: list[int]) -> None:
+        directory = self.directory
+        if directory is not None and hs:
+            directory.update(
+                zip(hs, map(or_, map(directory.get, hs, repeat(0)), repeat(self.bit)), strict=True)
+            )
 
     def _leave(self, h: int) -> None:
-        if self.directory is not None:
-            holders = self.directory[h]
-            holders.discard(self.id)
-            if not holders:
-                del self.directory[h]
+        directory = self.directory
+        if directory is not None:
+            holders = directory[h] & ~self.bit
+            if holders:
+                directory[h] = holders
+            else:
+                del directory[h]
+
+    def _leave_all(self, hs: list[int]) -> None:
+        directory = self.directory
+        if directory is not None and hs:
+            holders = list(map(and_, map(directory.__getitem__, hs), repeat(~self.bit)))
+            directory.update(zip(hs, holders, strict=True))
+            _drain(map(directory.__delitem__, compress(hs, map(not_, holders))))
 
     def _to_cpu(self, h: int) -> None:
         """A block evicted from the GPU cache: into the CPU tier if there is one, else gone."""
@@ -194,13 +212,20 @@ class Engine:
         if self.capacity is None:
             return True
         short = self.resident() + n - self.capacity
-        while short > 0 and self.free_lru:
-            h, _ = self.free_lru.popitem(last=False)
-            del self.ref[h]
-            self.evictions += 1
-            self._to_cpu(h)
-            short -= 1
-        return short <= 0
+        if short <= 0:
+            return True
+        free = self.free_lru
+        k = min(short, len(free))
+        if k:
+            evicted = [free.popitem(last=False)[0] for _ in range(k)]
+            _drain(map(self.ref.__delitem__, evicted))
+            self.evictions += k
+            if self.cpu_capacity:
+                for h in evicted:
+                    self._to_cpu(h)
+            else:
+                self._leave_all(evicted)
+        return short - k <= 0
 
     def _pin(self, h: int) -> None:
         count = self.ref.get(h, 0)
@@ -219,30 +244,74 @@ class Engine:
         if count == 0:
             self.free_lru[h] = None
 
+    # The same over many blocks at once, where they are distinct (a prompt's chained block ids are): the counts
+    # read, changed and written back in C-level passes.
+    def _pin_held(self, hs: tuple[int, ...] | list[int], distinct: bool) -> None:
+        """Pin blocks the GPU cache holds."""
+        if not distinct:
+            for h in hs:
+                self._pin(h)
+            return
+        ref = self.ref
+        counts = list(map(ref.__getitem__, hs))
+        if 0 in counts:
+            _drain(map(self.free_lru.__delitem__, compress(hs, map(not_, counts))))
+        ref.update(zip(hs, map(add, counts, repeat(1)), strict=True))
+
+    def _unpin_all(self, hs: tuple[int, ...] | list[int], distinct: bool) -> None:
+        """Unpin blocks, in this order (the order they join the free list)."""
+        if not distinct:
+            for h in hs:
+                self._unpin(h)
+            return
+        ref = self.ref
+        counts = list(map(sub, map(ref.__getitem__, hs), repeat(1)))
+        ref.update(zip(hs, counts, strict=True))
+        if 0 in counts:
+            self.free_lru.update(zip(compress(hs, map(not_, counts)), repeat(None)))
+
+    def _pin_computed(self, hs: tuple[int, ...] | list[int], distinct: bool) -> None:
+        """Pin blocks just computed: shared with the cache's copy where it holds one, out of the CPU tier where a
+        copy waited there, new to the directory otherwise."""
+        if not distinct:
+            for h in hs:
+                self._pin(h)
+            return
+        ref, free, cpu = self.ref, self.free_lru, self.cpu
+        counts = list(map(ref.get, hs, repeat(0)))
+        if 0 in counts:
+            unused = list(compress(hs, map(not_, counts)))
+            cached = list(filter(free.__contains__, unused))
+            if cached:
+                _drain(map(free.__delitem__, cached))
+                unused = list(filterfalse(ref.__contains__, unused))
+            if cpu:
+                waited = list(filter(cpu.__contains__, unused))
+                if waited:
+                    _drain(map(cpu.__delitem__, waited))
+                    unused = list(compress(unused, map(not_, map(set(waited).__contains__, unused))))
+            self._enter_all(unused)
+        ref.update(zip(hs, map(add, counts, repeat(1)), strict=True))
+
     def _admit(self, seq: Seq, now: float) -> bool:
         on_gpu = self.held(seq.blocks)
         matched = seq.blocks[:on_gpu]
-        for h in matched:
-            self._pin(h)
-        # Then the blocks that follow in the CPU tier: out of it while room is made (so that the blocks the room
-        # pushes there do not push them out), back where they were if there is none.
-        from_cpu: list[int] = []
-        if self.cpu:
-            for h in seq.blocks[on_gpu:]:
-                if h not in self.cpu:
-                    break
-                from_cpu.append(h)
-            for h in from_cpu:
-                del self.cpu[h]
+        # Then the blocks that follow in the CPU tier.
+        cpu = self.cpu
+        from_cpu = list(takewhile(cpu.__contains__, seq.blocks[on_gpu:])) if cpu else []
         seq.target = seq.request.input_tokens + seq.generated
         need = math.ceil(seq.target / self.bt) - on_gpu - len(from_cpu)
-        if not self._room(need + len(from_cpu)):
-            for h in reversed(matched):
-                self._unpin(h)
-            for h in from_cpu:
-                self.cpu[h] = None
-                self.cpu.move_to_end(h, last=False)
-            return False
+        # Room for it or nothing changes, as vLLM allocates a request's blocks only when the free ones (cached
+        # ones nobody uses included) are enough: the cached blocks it matches leave the free ones when pinned.
+        if self.capacity is not None:
+            short = self.resident() + need + len(from_cpu) - self.capacity
+            if short > 0 and short > len(self.free_lru) - sum(map(self.free_lru.__contains__, matched)):
+                return False
+        self._pin_held(matched, seq.unique)
+        # The CPU tier's blocks leave it before room is made, so that the blocks the room pushes there do not
+        # push them out.
+        _drain(map(cpu.__delitem__, from_cpu))
+        self._room(need + len(from_cpu))
         for h in from_cpu:
             self.ref[h] = 1
         seq.pinned = [*matched, *from_cpu]
@@ -262,19 +331,18 @@ class Engine:
 
     def _release(self, seq: Seq) -> None:
         # The tail first, so that under pressure a prompt's later blocks go before its shared start.
-        for h in reversed(seq.pinned):
-            self._unpin(h)
+        self._unpin_all(seq.pinned[::-1], seq.unique)
         seq.pinned = []
         self.private_total -= seq.private
         seq.private = 0
 
     def _cache_prompt(self, seq: Seq) -> None:
         """The prompt's computed full blocks enter the prefix cache (shared with an equal block already there)."""
-        for h in seq.blocks[len(seq.pinned) :]:
-            self._pin(h)
-            seq.pinned.append(h)
-            seq.private -= 1
-            self.private_total -= 1
+        new = seq.blocks[len(seq.pinned) :]
+        self._pin_computed(new, seq.unique)
+        seq.pinned.extend(new)
+        seq.private -= len(new)
+        self.private_total -= len(new)
         self._track()
 
     def _track(self) -> None:
@@ -318,39 +386,46 @@ class Engine:
                     continue
                 break
             self.running.append(self.waiting.popleft())
-        # Each decoding sequence needs room for the token it samples next.
-        while True:
-            short = [
-                s
-                for s in self.running
-                if s.prefill_left == 0 and s.context + self.step_room > self._blocks_of(s) * self.bt
-            ]
-            if not short:
-                break
-            s = short[0]
-            while not self._room(1):
-                victim = self._preempt_one()
-                if victim is s:
-                    break
-            if s in self.running:
-                s.private += 1
-                self.private_total += 1
-                self._track()
-        if not self.running:
+        # Each decoding sequence needs room for the token it samples next, in order; a preemption takes the last
+        # admitted first, so the sequences before one are never touched by making room for it. (Properties are
+        # inlined in these per-iteration passes: they run over every running sequence.)
+        running, bt, step_room = self.running, self.bt, self.step_room
+        i = 0
+        while i < len(running):
+            s = running[i]
+            if (
+                s.target == s.computed
+                and s.request.input_tokens + s.generated + step_room > (len(s.pinned) + s.private) * bt
+            ):
+                while not self._room(1):
+                    if self._preempt_one() is s:
+                        break
+                if i < len(running):  # it still runs: one block more, and look at it again
+                    s.private += 1
+                    self.private_total += 1
+                    self._track()
+                    continue
+            i += 1
+        if not running:
             self.busy = False
             return
-        decoders = [s for s in self.running if s.prefill_left == 0]
+        decoders: list[Seq] = []
+        prefilling: list[Seq] = []
+        context = 0
+        for s in running:
+            if s.target == s.computed:
+                decoders.append(s)
+                context += s.request.input_tokens + s.generated
+            else:
+                prefilling.append(s)
         budget = p.max_num_batched_tokens - len(decoders)
         chunks: list[tuple[Seq, int]] = []
-        for s in self.running:
+        for s in prefilling:
             if budget <= 0:
                 break
-            left = s.prefill_left
-            if left > 0:
-                take = min(left, budget)
-                chunks.append((s, take))
-                budget -= take
-        context = sum(s.context for s in decoders)
+            take = min(s.target - s.computed, budget)
+            chunks.append((s, take))
+            budget -= take
         rate = self.step_tokens
         if chunks or not decoders:
             steps = 1
@@ -361,8 +436,11 @@ class Engine:
                     dt += s.load_due * p.cpu_tier_load_per_token_s
                     s.load_due = 0
         elif rate == 1.0:
-            steps = min(s.request.output_tokens - s.generated for s in decoders)
-            steps = min(steps, min(self._blocks_of(s) * self.bt - s.context for s in decoders))
+            steps = min(
+                min(s.request.output_tokens, (len(s.pinned) + s.private) * bt - s.request.input_tokens)
+                - s.generated
+                for s in decoders
+            )
             steps = max(1, steps)
             # The context grows by one token a sequence a step: the run's step time is its middle step's.
             dt = p.iteration_s([], len(decoders), context + len(decoders) * (steps - 1) // 2)
@@ -390,31 +468,45 @@ class Engine:
             return
         steps, dt = self._steps, self._dt
         self.busy_s += steps * dt
+        # Only the sequences of this iteration can finish in it: those whose prefill ended, the decoders.
+        ended: list[Seq] = []
         for s, take in self._chunks:
             s.computed += take
-            if s.prefill_left == 0:
+            if s.target == s.computed:
                 self._cache_prompt(s)
                 s.generated += 1
                 if s.first_token_s < 0:
                     s.first_token_s = now
                     self._on_first_token(s, now)
-        if self._decoders:
+                if s.generated >= s.request.output_tokens:
+                    ended.append(s)
+        decoders = self._decoders
+        if decoders:
             per_tenant: dict[str, int] = {}
             rate = self.step_tokens
-            for s in self._decoders:
-                if rate == 1.0:
-                    gained = steps
-                else:
+            if rate == 1.0:
+                for s in decoders:
+                    s.generated += steps
+                    t = s.request.tenant
+                    per_tenant[t] = per_tenant.get(t, 0) + steps
+            else:
+                for s in decoders:
                     total = s.spec_frac + steps * rate
                     gained = min(int(total), s.request.output_tokens - s.generated)
                     s.spec_frac = total - int(total) if gained == int(total) else 0.0
-                s.generated += gained
-                t = s.request.tenant
-                per_tenant[t] = per_tenant.get(t, 0) + gained
+                    s.generated += gained
+                    t = s.request.tenant
+                    per_tenant[t] = per_tenant.get(t, 0) + gained
             gap = dt / rate  # the mean gap between its tokens (they come `rate` at a time)
             for t, n in per_tenant.items():
                 self.itl.setdefault(t, []).append((gap, n))
-        finished = [s for s in self.running if s.prefill_left == 0 and s.generated >= s.request.output_tokens]
+            done_decoding = [s for s in decoders if s.generated >= s.request.output_tokens]
+            if ended and done_decoding:  # both: in the running order, as each list is
+                either = {*ended, *done_decoding}
+                ended = [s for s in self.running if s in either]
+            else:
+                ended = ended or done_decoding
+        finished = ended
         if finished:
             done = set(finished)
             self.running = [s for s in self.running if s not in done]

@@ -3,8 +3,36 @@ and sessions. Bounded, in memory."""
 
 from __future__ import annotations
 
+import math
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from functools import partial
+from itertools import compress, repeat, takewhile
+from operator import is_, not_
+
+_is_none = partial(is_, None)
+
+
+# The reverse map (key -> the endpoints sent it) kept as endpoints gain and lose keys, a prompt's worth at a time:
+# C-level passes over the keys.
+def _enter_all(owners: dict, keys: list, member: int) -> None:
+    """`member` now holds `keys` (none of which it held)."""
+    if not keys:
+        return
+    sets = list(map(owners.get, keys))
+    if None in sets:
+        owners.update(zip(compress(keys, map(_is_none, sets)), map(set, repeat((member,))), strict=False))
+        sets = filter(None, sets)
+    deque(map(set.add, sets, repeat(member)), maxlen=0)
+
+
+def _leave_all(owners: dict, keys: list, member: int) -> None:
+    """`member` no longer holds `keys` (each of which it held)."""
+    if not keys:
+        return
+    sets = list(map(owners.__getitem__, keys))
+    deque(map(set.discard, sets, repeat(member)), maxlen=0)
+    deque(map(owners.__delitem__, compress(keys, map(not_, sets))), maxlen=0)
 
 
 class ApproximateIndex:
@@ -17,38 +45,58 @@ class ApproximateIndex:
         self._lru: dict[int, OrderedDict[str, float]] = {}  # endpoint -> block key -> when last sent there
 
     def lookup(self, keys: list[str], since: float | None = None) -> dict[int, int]:
-        """Per endpoint, how many of the leading keys it was sent (at or after `since`, when given)."""
+        """Per endpoint, how many of the leading keys it was sent (at or after `since`, when given).
+
+        Only the endpoints sent the first key can hold any. Without `since`: one walk along the keys with the
+        endpoints holding all of them so far, a C-level subset test a key while they all hold it, and once one
+        is left, a C-level run along its own record. With `since`: each of them read along its own record until
+        a key it lacks or was sent before then (takewhile over the record, C-level)."""
+        where = self._where
+        first = where.get(keys[0]) if keys else None
+        if not first:
+            return {}
         held: dict[int, int] = {}
-        alive: set[int] | None = None
-        for index, key in enumerate(keys):
-            here = self._where.get(key)
+        lrus = self._lru
+        if since is not None:
+            since = float(since)  # float.__le__ below: an int would answer NotImplemented
+            for endpoint in first:
+                n = len(list(takewhile(since.__le__, map(lrus[endpoint].get, keys, repeat(-math.inf)))))
+                if n:
+                    held[endpoint] = n
+            return held
+        alive = first  # the record's own set until it shrinks (never changed here)
+        index, end = 1, len(keys)
+        while index < end:
+            if len(alive) == 1:
+                (endpoint,) = alive
+                held[endpoint] = index + len(list(takewhile(lrus[endpoint].__contains__, keys[index:])))
+                return held
+            here = where.get(keys[index])
             if not here:
                 break
-            alive = set(here) if alive is None else alive & here
-            if since is not None:
-                alive = {endpoint for endpoint in alive if self._lru[endpoint][key] >= since}
-            if not alive:
-                break
-            for endpoint in alive:
-                held[endpoint] = index + 1
+            if not alive <= here:
+                still = alive & here
+                for endpoint in alive - still:
+                    held[endpoint] = index
+                if not still:
+                    return held
+                alive = still
+            index += 1
+        for endpoint in alive:
+            held[endpoint] = index
         return held
 
     def record(self, endpoint: int, keys: list[str], now: float | None = None) -> None:
+        """The keys sent to `endpoint` now, in prompt order: the most recently sent, each keeping one place."""
         now = time.monotonic() if now is None else now
         lru = self._lru.setdefault(endpoint, OrderedDict())
-        for key in keys:
-            if key in lru:
-                lru.move_to_end(key)
-            else:
-                self._where.setdefault(key, set()).add(endpoint)
-            lru[key] = now
-        while len(lru) > self.capacity:
-            old, _ = lru.popitem(last=False)
-            owners = self._where.get(old)
-            if owners is not None:
-                owners.discard(endpoint)
-                if not owners:
-                    del self._where[old]
+        # Out of their places and back in at the end, in order: C-level passes over the prompt's keys.
+        before = list(map(lru.pop, keys, repeat(None)))
+        lru.update(zip(keys, repeat(now)))
+        _enter_all(self._where, list(compress(keys, map(_is_none, before))), endpoint)
+        excess = len(lru) - self.capacity
+        if excess > 0:
+            _leave_all(self._where, [lru.popitem(last=False)[0] for _ in range(excess)], endpoint)
 
     def forget(self, endpoint: int) -> None:
         for key in self._lru.pop(endpoint, {}):
