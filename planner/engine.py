@@ -63,6 +63,7 @@ class Seq:
     load_due: int = 0  # of those, still to be paid for in its next prefill chunk
     spec_frac: float = 0.0  # speculative decoding: the fraction of a token gained beyond `generated`
     transferred_tokens: int = 0  # KV tokens received from a prefill engine (prefill/decode pools)
+    full_at: int = 0  # the output tokens at which its blocks are full (blocks x block size, less the prompt)
     unique: bool = True  # its blocks are distinct (set by __post_init__), as chained block ids are
 
     def __post_init__(self) -> None:
@@ -316,6 +317,7 @@ class Engine:
             self.ref[h] = 1
         seq.pinned = [*matched, *from_cpu]
         seq.private = need
+        seq.full_at = (len(seq.pinned) + need) * self.bt - seq.request.input_tokens
         self.private_total += need
         seq.computed = cached_tokens_for(seq.request.input_tokens, len(seq.pinned), self.bt)
         if from_cpu:
@@ -393,15 +395,13 @@ class Engine:
         i = 0
         while i < len(running):
             s = running[i]
-            if (
-                s.target == s.computed
-                and s.request.input_tokens + s.generated + step_room > (len(s.pinned) + s.private) * bt
-            ):
+            if s.generated + step_room > s.full_at and s.target == s.computed:
                 while not self._room(1):
                     if self._preempt_one() is s:
                         break
                 if i < len(running):  # it still runs: one block more, and look at it again
                     s.private += 1
+                    s.full_at += bt
                     self.private_total += 1
                     self._track()
                     continue
@@ -436,11 +436,7 @@ class Engine:
                     dt += s.load_due * p.cpu_tier_load_per_token_s
                     s.load_due = 0
         elif rate == 1.0:
-            steps = min(
-                min(s.request.output_tokens, (len(s.pinned) + s.private) * bt - s.request.input_tokens)
-                - s.generated
-                for s in decoders
-            )
+            steps = min(min(s.request.output_tokens, s.full_at) - s.generated for s in decoders)
             steps = max(1, steps)
             # The context grows by one token a sequence a step: the run's step time is its middle step's.
             dt = p.iteration_s([], len(decoders), context + len(decoders) * (steps - 1) // 2)
@@ -450,7 +446,7 @@ class Engine:
             )
             steps = min(
                 steps,
-                min(int((self._blocks_of(s) * self.bt - s.context - s.spec_frac) / rate) for s in decoders),
+                min(int((s.full_at - s.generated - s.spec_frac) / rate) for s in decoders),
             )
             steps = max(1, steps)
             dt = p.iteration_s([], len(decoders), context + int(len(decoders) * rate * (steps - 1) / 2))
@@ -459,9 +455,6 @@ class Engine:
         self._chunks, self._decoders = chunks, decoders
         self.gen += 1
         self._schedule(now + steps * dt, self, self.gen)
-
-    def _blocks_of(self, s: Seq) -> int:
-        return len(s.pinned) + s.private
 
     def step_done(self, now: float, gen: int) -> None:
         if gen != self.gen:
@@ -484,23 +477,27 @@ class Engine:
         if decoders:
             per_tenant: dict[str, int] = {}
             rate = self.step_tokens
+            done_decoding: list[Seq] = []
             if rate == 1.0:
                 for s in decoders:
+                    r = s.request
                     s.generated += steps
-                    t = s.request.tenant
-                    per_tenant[t] = per_tenant.get(t, 0) + steps
+                    per_tenant[r.tenant] = per_tenant.get(r.tenant, 0) + steps
+                    if s.generated >= r.output_tokens:
+                        done_decoding.append(s)
             else:
                 for s in decoders:
+                    r = s.request
                     total = s.spec_frac + steps * rate
-                    gained = min(int(total), s.request.output_tokens - s.generated)
+                    gained = min(int(total), r.output_tokens - s.generated)
                     s.spec_frac = total - int(total) if gained == int(total) else 0.0
                     s.generated += gained
-                    t = s.request.tenant
-                    per_tenant[t] = per_tenant.get(t, 0) + gained
+                    per_tenant[r.tenant] = per_tenant.get(r.tenant, 0) + gained
+                    if s.generated >= r.output_tokens:
+                        done_decoding.append(s)
             gap = dt / rate  # the mean gap between its tokens (they come `rate` at a time)
             for t, n in per_tenant.items():
                 self.itl.setdefault(t, []).append((gap, n))
-            done_decoding = [s for s in decoders if s.generated >= s.request.output_tokens]
             if ended and done_decoding:  # both: in the running order, as each list is
                 either = {*ended, *done_decoding}
                 ended = [s for s in self.running if s in either]

@@ -378,7 +378,9 @@ class Simulation:
             # The index built from the engines' KV events: the leading blocks each engine's cache holds, by tier,
             # with this router's recent decisions counted as speculative until their events would confirm them.
             held = self.held_fast(keys) if self.fast_index else self.held_slow(keys)
-            ctx.held = with_recent(held, self.approximate.lookup(keys, since=now - SPECULATIVE_TTL_S))
+            beyond = {eid: h.blocks for eid, h in held.items()}
+            recent = self.approximate.lookup(keys, since=now - SPECULATIVE_TTL_S, beyond=beyond)
+            ctx.held = with_recent(held, recent)
             ctx.from_index = True
         else:
             ctx.approx_held = self.approximate.lookup(keys)

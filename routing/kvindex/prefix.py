@@ -199,7 +199,10 @@ class PrefixRouting:
             )
             return self._fallback(model, keys, "error"), False
         metrics.of(metrics.index_lookup, model).observe(time.perf_counter() - asked)
-        return with_recent(held, self.approximate.lookup(keys, since=time.monotonic() - self.recent_s)), True
+        recent = self.approximate.lookup(
+            keys, since=time.monotonic() - self.recent_s, beyond={e: h.blocks for e, h in held.items()}
+        )
+        return with_recent(held, recent), True
 
     def render_failed(self, deployment: DeploymentInfo, reason: str, detail: str) -> None:
         """A request whose prompt the router could not render is routed without prefix scores: counted per

@@ -44,32 +44,45 @@ class ApproximateIndex:
         self._where: dict[str, set[int]] = {}
         self._lru: dict[int, OrderedDict[str, float]] = {}  # endpoint -> block key -> when last sent there
 
-    def lookup(self, keys: list[str], since: float | None = None) -> dict[int, int]:
-        """Per endpoint, how many of the leading keys it was sent (at or after `since`, when given).
+    def lookup(
+        self, keys: list[str], since: float | None = None, beyond: dict[int, int] | None = None
+    ) -> dict[int, int]:
+        """Per endpoint, how many of the leading keys it was sent (at or after `since`, when given); with
+        `beyond` (endpoint -> blocks already known held), only the endpoints whose count passes it, found with
+        one look at the key past it for the others, which is all an index's answer takes from a replica's record
+        (routing/kvindex/prefix.py `with_recent`).
 
         Only the endpoints sent the first key can hold any. Without `since`: one walk along the keys with the
         endpoints holding all of them so far, a C-level subset test a key while they all hold it, and once one
         is left, a C-level run along its own record. With `since`: each of them read along its own record until
         a key it lacks or was sent before then (takewhile over the record, C-level)."""
-        where = self._where
-        first = where.get(keys[0]) if keys else None
+        first = self._where.get(keys[0]) if keys else None
         if not first:
             return {}
+        if since is None:
+            held = self._walk(keys, first)
+            return {e: n for e, n in held.items() if n > beyond.get(e, 0)} if beyond else held
         held: dict[int, int] = {}
-        lrus = self._lru
-        if since is not None:
-            since = float(since)  # float.__le__ below: an int would answer NotImplemented
-            for endpoint in first:
-                n = len(list(takewhile(since.__le__, map(lrus[endpoint].get, keys, repeat(-math.inf)))))
-                if n:
-                    held[endpoint] = n
-            return held
+        since = float(since)  # float.__le__ below: an int would answer NotImplemented
+        end = len(keys)
+        for endpoint in first:
+            lru = self._lru[endpoint]
+            floor = beyond.get(endpoint, 0) if beyond else 0
+            if floor and (floor >= end or lru.get(keys[floor], -math.inf) < since):
+                continue  # it cannot pass the known count
+            n = len(list(takewhile(since.__le__, map(lru.get, keys, repeat(-math.inf)))))
+            if n > floor:
+                held[endpoint] = n
+        return held
+
+    def _walk(self, keys: list[str], first: set[int]) -> dict[int, int]:
+        where, held = self._where, {}
         alive = first  # the record's own set until it shrinks (never changed here)
         index, end = 1, len(keys)
         while index < end:
             if len(alive) == 1:
                 (endpoint,) = alive
-                held[endpoint] = index + len(list(takewhile(lrus[endpoint].__contains__, keys[index:])))
+                held[endpoint] = index + len(list(takewhile(self._lru[endpoint].__contains__, keys[index:])))
                 return held
             here = where.get(keys[index])
             if not here:

@@ -54,7 +54,12 @@ def test_lookups_and_evictions_match_the_definition_over_random_use(seed):
             del sent[endpoint]
         since = rng.choice([None, now - rng.randrange(1, 60)])
         probe = rng.choice(prompts)[: rng.randrange(1, 15)] + ([f"x{step}"] if rng.random() < 0.2 else [])
-        assert index.lookup(probe, since=since) == by_definition(sent, probe, since), (step, probe, since)
+        expected = by_definition(sent, probe, since)
+        assert index.lookup(probe, since=since) == expected, (step, probe, since)
+        # Given counts already known, only the endpoints that pass them.
+        known = {endpoint: rng.randrange(0, 8) for endpoint in range(5) if rng.random() < 0.6}
+        passing = {e: n for e, n in expected.items() if n > known.get(e, 0)}
+        assert index.lookup(probe, since=since, beyond=known) == passing, (step, probe, since, known)
     # The reverse map holds exactly the keys the endpoints hold.
     owners: dict[str, set[int]] = {}
     for endpoint, times in sent.items():
