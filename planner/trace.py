@@ -8,6 +8,7 @@ import json
 import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from itertools import takewhile
 from pathlib import Path
 
 TRACE_BLOCK_TOKENS = 512  # the public traces' block: one hash id per 512 prompt tokens
@@ -104,11 +105,7 @@ def ceiling(requests: Iterable[TraceRequest], block_tokens: int = TRACE_BLOCK_TO
     cached = total = 0
     for r in sorted(requests, key=lambda r: (r.arrival_s, r.index)):
         blocks = r.full_blocks(block_tokens)
-        matched = 0
-        for h in blocks:
-            if h not in seen:
-                break
-            matched += 1
+        matched = len(list(takewhile(seen.__contains__, blocks)))
         cached += cached_tokens_for(r.input_tokens, matched, block_tokens)
         total += r.input_tokens
         seen.update(blocks)

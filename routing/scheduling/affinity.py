@@ -7,7 +7,7 @@ import math
 import time
 from collections import OrderedDict, deque
 from functools import partial
-from itertools import compress, repeat, takewhile
+from itertools import compress, filterfalse, repeat, takewhile
 from operator import is_, not_
 
 _is_none = partial(is_, None)
@@ -103,10 +103,12 @@ class ApproximateIndex:
         """The keys sent to `endpoint` now, in prompt order: the most recently sent, each keeping one place."""
         now = time.monotonic() if now is None else now
         lru = self._lru.setdefault(endpoint, OrderedDict())
-        # Out of their places and back in at the end, in order: C-level passes over the prompt's keys.
-        before = list(map(lru.pop, keys, repeat(None)))
+        # The new ones in, then every one to the end in the prompt's order, then the time: C-level passes.
+        fresh = list(filterfalse(lru.__contains__, keys))
+        lru.update(zip(fresh, repeat(now)))
+        deque(map(lru.move_to_end, keys), maxlen=0)
         lru.update(zip(keys, repeat(now)))
-        _enter_all(self._where, list(compress(keys, map(_is_none, before))), endpoint)
+        _enter_all(self._where, fresh, endpoint)
         excess = len(lru) - self.capacity
         if excess > 0:
             _leave_all(self._where, [lru.popitem(last=False)[0] for _ in range(excess)], endpoint)
