@@ -63,6 +63,11 @@ class Seq:
     load_due: int = 0  # of those, still to be paid for in its next prefill chunk
     spec_frac: float = 0.0  # speculative decoding: the fraction of a token gained beyond `generated`
     transferred_tokens: int = 0  # KV tokens received from a prefill engine (prefill/decode pools)
+    # Its prompt's leading blocks it holds on arrival, pulled over NIXL where its engine lacked them: at its
+    # admission they take blocks of its own allocation, as vLLM's connector loads into the blocks it allocates
+    # for the request (so they cannot be evicted while it waits), and count as computed.
+    pulled_upto: int = 0
+    remote_cached: int = -1  # P/D: the prompt tokens its prefill leg found cached on the prefill engine
     full_at: int = 0  # the output tokens at which its blocks are full (blocks x block size, less the prompt)
     unique: bool = True  # its blocks are distinct (set by __post_init__), as chained block ids are
 
@@ -184,21 +189,6 @@ class Engine:
             old, _ = self.cpu.popitem(last=False)
             self._leave(old)
 
-    def receive(self, blocks: tuple[int, ...] | list[int], now: float) -> None:
-        """KV blocks pulled from another engine (NIXL): they enter the cache as cached blocks nobody uses yet
-        (most recently freed), evicting as any block does; those it has no room for are not kept."""
-        fresh = [h for h in blocks if h not in self.ref]
-        for h in fresh:
-            if not self._room(1):
-                break
-            if h in self.cpu:
-                del self.cpu[h]
-            else:
-                self._enter(h)
-            self.ref[h] = 0
-            self.free_lru[h] = None
-        self._track()
-
     def resident(self) -> int:
         return len(self.ref) + self.private_total
 
@@ -297,31 +287,39 @@ class Engine:
     def _admit(self, seq: Seq, now: float) -> bool:
         on_gpu = self.held(seq.blocks)
         matched = seq.blocks[:on_gpu]
+        # The blocks pulled for it from another engine (P/D), which come with their own allocation.
+        pulled = seq.blocks[on_gpu : seq.pulled_upto]
         # Then the blocks that follow in the CPU tier.
         cpu = self.cpu
-        from_cpu = list(takewhile(cpu.__contains__, seq.blocks[on_gpu:])) if cpu else []
+        from_cpu = list(takewhile(cpu.__contains__, seq.blocks[on_gpu + len(pulled) :])) if cpu else []
         seq.target = seq.request.input_tokens + seq.generated
-        need = math.ceil(seq.target / self.bt) - on_gpu - len(from_cpu)
+        need = math.ceil(seq.target / self.bt) - on_gpu - len(pulled) - len(from_cpu)
         # Room for it or nothing changes, as vLLM allocates a request's blocks only when the free ones (cached
         # ones nobody uses included) are enough: the cached blocks it matches leave the free ones when pinned.
         if self.capacity is not None:
-            short = self.resident() + need + len(from_cpu) - self.capacity
-            if short > 0 and short > len(self.free_lru) - sum(map(self.free_lru.__contains__, matched)):
+            ref, free = self.ref, self.free_lru
+            new = len(from_cpu) + sum(map(not_, map(ref.__contains__, pulled)))
+            short = self.resident() + need + new - self.capacity
+            if short > 0 and short > len(free) - sum(map(free.__contains__, matched)) - sum(
+                map(free.__contains__, pulled)
+            ):
                 return False
         self._pin_held(matched, seq.unique)
+        self._pin_computed(pulled, seq.unique)
         # The CPU tier's blocks leave it before room is made, so that the blocks the room pushes there do not
         # push them out.
         _drain(map(cpu.__delitem__, from_cpu))
         self._room(need + len(from_cpu))
         for h in from_cpu:
             self.ref[h] = 1
-        seq.pinned = [*matched, *from_cpu]
+        seq.pinned = [*matched, *pulled, *from_cpu]
+        seq.pulled_upto = 0  # used: if it is preempted, its prompt is computed again, as vLLM would
         seq.private = need
         seq.full_at = (len(seq.pinned) + need) * self.bt - seq.request.input_tokens
         self.private_total += need
         seq.computed = cached_tokens_for(seq.request.input_tokens, len(seq.pinned), self.bt)
         if from_cpu:
-            loaded = max(0, seq.computed - on_gpu * self.bt)
+            loaded = max(0, seq.computed - (on_gpu + len(pulled)) * self.bt)
             seq.loaded_tokens += loaded
             seq.load_due = loaded
             self.cpu_hits += len(from_cpu)

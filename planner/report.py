@@ -81,6 +81,17 @@ class Summary:
     transfer_s: float = 0.0
 
 
+def from_cache(seq) -> int:
+    """A request's prompt tokens no engine computed for it: what its engine found cached (its own cache, a CPU
+    tier, KV pulled from a peer's cache), and with a prefill leg on another engine (P/D) what that leg found
+    cached there, less what the decode engine computed again. The prompt less every prompt token computed."""
+    prompt = seq.request.input_tokens
+    computed = prompt - max(0, seq.cached_tokens)
+    if seq.remote_cached >= 0:
+        computed += prompt - seq.remote_cached
+    return max(0, prompt - computed)
+
+
 def summarize(result: Result) -> Summary:
     seqs = result.seqs
     done = [s for s in seqs if s.first_token_s >= 0]
@@ -94,8 +105,7 @@ def summarize(result: Result) -> Summary:
     all_itl = [p for pairs in itl_by_tenant.values() for p in pairs]
     prompt = sum(s.request.input_tokens for s in done)
     output = sum(s.request.output_tokens for s in done)
-    # Tokens the engine found cached, less those another engine computed and it received (P/D, peer pulls).
-    cached = sum(max(0, s.cached_tokens - s.transferred_tokens) for s in done)
+    cached = sum(from_cache(s) for s in done)
     loaded = sum(s.loaded_tokens for s in done)
     flow_waits = [w for waits in result.flow_waits.values() for w in waits]
     ceil_cached, ceil_total = ceiling([s.request for s in seqs])

@@ -558,7 +558,8 @@ class Simulation:
 
     def _transfer(self, seq: Seq, source: int, now: float) -> None:
         """Move the prompt's full blocks the source holds and the decode engine lacks, at the profile's NIXL
-        cost; the request reaches the decode engine's scheduler when they are there."""
+        cost; the request reaches the decode engine's scheduler when they are there, holding them (Seq.pulled_upto)
+        until it is admitted."""
         decode = self.engines[seq.router_state.endpoint]
         holder = self.engines[source]
         have = sum(decode.held_tiers(seq.blocks))
@@ -570,7 +571,7 @@ class Simulation:
         self.transfers.append((tokens, seconds))
 
         def arrive() -> None:
-            decode.receive(moving, self.clock.now)
+            seq.pulled_upto = there
             decode.submit(seq, self.clock.now)
 
         self._call_at(now + seconds, arrive)
@@ -590,6 +591,7 @@ class Simulation:
             load.prefill_ended(state.lane, now, False)
         load.end(state.weight)
         if isinstance(state, PrefillLeg):
+            state.decode.remote_cached = max(0, seq.cached_tokens)
             self._transfer(state.decode, state.endpoint, now)
             return
         self._left -= 1

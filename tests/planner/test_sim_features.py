@@ -262,6 +262,29 @@ def test_prefill_decode_pools_move_exactly_the_uncached_kv_at_the_nixl_cost():
     assert small.transfers == []
 
 
+def test_a_decode_engine_keeps_pulled_kv_for_the_request_until_it_is_admitted():
+    """The decode engine is full with a long decode when the second request's KV arrives: the request waits,
+    holding what it pulled (as vLLM's connector loads into the blocks it allocates for the request), and is not
+    prefilled again when it gets in. The hit share counts the prefill leg's own cache hits."""
+    long = TraceRequest(0, 0.0, 10 * 512, 400, tuple(range(1, 11)))
+    # Its first 6 blocks were prefilled once before (request 1, split too: the decode engine holds them as well).
+    warm = TraceRequest(1, 0.5, 6 * 512 + 10, 1, (*range(100, 106), 999))
+    waiting = TraceRequest(2, 5.0, 12 * 512 + 10, 5, (*range(100, 112), 998))
+    profile = FAST.with_(kv_capacity_tokens=20 * 512, nixl_fixed_s=0.0, nixl_per_token_s=0.0)
+    policy = {"pd_split_threshold_tokens": 512}
+    result = simulate([long, warm, waiting], 1, profile, "precise", prefill_engines=1, policy=policy)
+    a, b, c = sorted(result.seqs, key=lambda s: s.request.index)
+    assert c.admitted_s >= a.finished_s  # it waited for the long decode to end
+    assert c.transferred_tokens == 6 * 512 and c.preemptions == 0  # the 6 blocks the decode engine lacked
+    assert c.cached_tokens == 12 * 512  # it computed only its partial last block on the decode engine
+    assert c.remote_cached == 6 * 512  # its prefill leg found the first 6 blocks cached on the prefill engine
+    # Every prompt token no engine computed: request 2's prefill leg computed its last 6 blocks and 10 tokens,
+    # its decode leg the 10 tokens again; requests 0 and 1 found nothing cached anywhere.
+    summary = summarize(result)
+    prompt = 10 * 512 + 6 * 512 + 10 + 12 * 512 + 10
+    assert summary.hit_share == pytest.approx((12 * 512 + 10 - (6 * 512 + 10) - 10) / prompt)
+
+
 def test_peer_pulls_where_the_router_plans_them():
     rows = shared_prefixes(300, 0.002)
     profile = FAST.with_(max_num_seqs=4, nixl_fixed_s=0.001, nixl_per_token_s=1e-6)
