@@ -8,9 +8,11 @@ the signals are read from the simulated engines as `pool_signals` reads the scra
 mean KV use over the ready engines, the routers' uncached prompt backlog: `EndpointLoad.prefill_left`); TTFT p90
 over the latency window from the simulated requests (the ledger's figure); the recommendations of the last
 windows and the trend's samples are kept in memory instead of Redis; the start-up time is given
-(`startup_seconds` reads the pool's recorded lifetimes). The inter-token latency p90 is not given (None): a policy
-with only `itl_p90_s` asks for nothing here. Which engine goes on a scale-down: the ready one with the fewest
-requests in flight (the latest started among equals).
+(`startup_seconds` reads the pool's recorded lifetimes). The inter-token latency p90 is the ledger's figure too
+(`latency_p90s`): over the requests finished in the window with more than one output token, each one's time from
+its first token to its last over its output tokens less one. Both p90s are taken by rank, where the database
+interpolates. Which engine goes on a scale-down: the ready one with the fewest requests in flight (the latest
+started among equals).
 """
 
 from __future__ import annotations
@@ -66,11 +68,26 @@ class Autoscaler:
         self.history: list[tuple[float, int]] = []  # (time, recommended replicas)
         self.samples: deque[tuple[float, Signals]] = deque()  # this pool's passes, for the trend
         self.ttfts: deque[tuple[float, float]] = deque()  # (first token at, TTFT) over the latency window
+        self.itls: deque[tuple[float, float]] = deque()  # (finished at, mean inter-token gap) over the window
         self.replicas = len(sim.engines)  # what the pool asks for: ready and starting
         self.timeline: list[tuple[float, int, int]] = []  # (time, replicas asked, engines ready)
 
     def first_token(self, at: float, ttft: float) -> None:
         self.ttfts.append((at, ttft))
+
+    def finished(self, at: float, seq) -> None:
+        output = seq.request.output_tokens
+        if output > 1 and seq.first_token_s >= 0:
+            self.itls.append((at, (at - seq.first_token_s) / (output - 1)))
+
+    def _p90(self, window: deque[tuple[float, float]], now: float) -> float | None:
+        """The p90 (by rank) of a latency window's values, once those older than the window have left it."""
+        while window and now - window[0][0] > self.spec.latency_window_s:
+            window.popleft()
+        if not window:
+            return None
+        values = sorted(v for _, v in window)
+        return values[min(len(values) - 1, math.ceil(0.9 * len(values)) - 1)]
 
     def signals(self, now: float) -> Signals:
         sim = self.sim
@@ -82,19 +99,14 @@ class Autoscaler:
             running += load.running + load.waiting  # as scraped
             kv.append(load.kv_usage)
             queued += load.prefill_left(now)
-        while self.ttfts and now - self.ttfts[0][0] > self.spec.latency_window_s:
-            self.ttfts.popleft()
-        ttft = None
-        if self.ttfts:
-            values = sorted(t for _, t in self.ttfts)
-            ttft = values[min(len(values) - 1, math.ceil(0.9 * len(values)) - 1)]
+        ttft, itl = (self._p90(window, now) for window in (self.ttfts, self.itls))
         return Signals(
             ready=len(ready),
             queued_prompt_tokens=queued,
             running_requests=running,
             kv_cache_utilization=sum(kv) / len(kv) if kv else None,
             ttft_p90_s=ttft,
-            itl_p90_s=None,
+            itl_p90_s=itl,
             requests=len(self.ttfts),
         )
 

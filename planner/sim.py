@@ -595,6 +595,8 @@ class Simulation:
             self._transfer(state.decode, state.endpoint, now)
             return
         self._left -= 1
+        if self.autoscaler is not None:
+            self.autoscaler.finished(now, seq)
         if self.draining:
             self._stop_if_idle(state.endpoint, now)
         if state.ticket is not None:

@@ -237,6 +237,24 @@ def test_the_autoscaler_adds_an_engine_after_start_up_and_lets_it_go_when_quiet(
     assert "engines ready" in table([summary])
 
 
+@pytest.mark.parametrize("objective_s, grows", [(0.01, True), (5.0, False)])
+def test_the_autoscaler_reads_the_inter_token_p90_as_the_ledger_gives_it(objective_s, grows):
+    """A pool held only to an ITL objective: long decodes crowding one engine (each step reads every running
+    sequence) push its p90 past a tight objective and the pool grows; a loose one asks for nothing."""
+    from planner.autoscale_sim import Autoscale
+
+    rows = [TraceRequest(i, i * 0.2, 600, 200, (70_000 + i,)) for i in range(400)]
+    profile = FAST.with_(max_num_seqs=64, step_fixed_s=0.005, decode_per_seq_s=0.0005)
+    spec = Autoscale(policy={"min_replicas": 1, "max_replicas": 3, "itl_p90_s": objective_s}, startup_s=10.0)
+    sim = Simulation(rows, 1, profile, "least_loaded", autoscale=spec)
+    summary = summarize(sim.run())
+    assert summary.finished == len(rows)
+    assert (summary.engines_max > 1) is grows
+    if grows:  # the signal it acted on is the requests' own mean gap, finished in the window
+        seen = [itl for _, itl in sim.autoscaler.itls]
+        assert seen and all(itl > 0 for itl in seen)
+
+
 def test_prefill_decode_pools_move_exactly_the_uncached_kv_at_the_nixl_cost():
     # Two requests of one conversation, far apart: the second finds its first 8 blocks on its decode engine.
     first = TraceRequest(0, 0.0, 8 * 512 + 100, 20, (*range(1, 9), 99))
