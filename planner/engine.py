@@ -386,36 +386,36 @@ class Engine:
                     continue
                 break
             self.running.append(self.waiting.popleft())
+        # The running sequences are in admission order, and the decoding ones come first: prompts are prefilled
+        # first come first served (a later one gets budget only once every earlier one has all it needs), a new
+        # or readmitted sequence has a prompt to compute and joins at the end, and preemption takes from the end.
         # Each decoding sequence needs room for the token it samples next, in order; a preemption takes the last
         # admitted first, so the sequences before one are never touched by making room for it. (Properties are
-        # inlined in these per-iteration passes: they run over every running sequence.)
+        # inlined in this per-iteration pass.)
         running, bt, step_room = self.running, self.bt, self.step_room
-        i = 0
+        i = context = 0
         while i < len(running):
             s = running[i]
-            if s.generated + step_room > s.full_at and s.target == s.computed:
+            if s.target != s.computed:
+                break  # the prefilling ones, from here on
+            if s.generated + step_room > s.full_at:
                 while not self._room(1):
                     if self._preempt_one() is s:
                         break
-                if i < len(running):  # it still runs: one block more, and look at it again
-                    s.private += 1
-                    s.full_at += bt
-                    self.private_total += 1
-                    self._track()
-                    continue
+                if i == len(running):
+                    break  # it was preempted, the last one
+                # One block more, and look at it again.
+                s.private += 1
+                s.full_at += bt
+                self.private_total += 1
+                self._track()
+                continue
+            context += s.request.input_tokens + s.generated
             i += 1
         if not running:
             self.busy = False
             return
-        decoders: list[Seq] = []
-        prefilling: list[Seq] = []
-        context = 0
-        for s in running:
-            if s.target == s.computed:
-                decoders.append(s)
-                context += s.request.input_tokens + s.generated
-            else:
-                prefilling.append(s)
+        decoders, prefilling = running[:i], running[i:]
         budget = p.max_num_batched_tokens - len(decoders)
         chunks: list[tuple[Seq, int]] = []
         for s in prefilling:

@@ -236,9 +236,6 @@ class Pipeline:
         if len(candidates) > 1:
             for step in plan.steps:
                 step(choice)
-        weight_of = plan.weight_of
-        totals = [
-            sum(getattr(policy, weight_of[name]) * value for name, value in c.scores.items())
-            for c in candidates
-        ]
+        weights = {name: getattr(policy, field) for name, field in plan.weight_of.items()}
+        totals = [sum(weights[name] * value for name, value in c.scores.items()) for c in candidates]
         return self.picker.pick(choice, totals, plan.tie_breaks), candidates
