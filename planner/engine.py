@@ -163,15 +163,6 @@ class Engine:
                 zip(hs, map(or_, map(directory.get, hs, repeat(0)), repeat(self.bit)), strict=True)
             )
 
-    def _leave(self, h: int) -> None:
-        directory = self.directory
-        if directory is not None:
-            holders = directory[h] & ~self.bit
-            if holders:
-                directory[h] = holders
-            else:
-                del directory[h]
-
     def _leave_all(self, hs: list[int]) -> None:
         directory = self.directory
         if directory is not None and hs:
@@ -179,15 +170,17 @@ class Engine:
             directory.update(zip(hs, holders, strict=True))
             _drain(map(directory.__delitem__, compress(hs, map(not_, holders))))
 
-    def _to_cpu(self, h: int) -> None:
-        """A block evicted from the GPU cache: into the CPU tier if there is one, else gone."""
+    def _to_cpu(self, evicted: list[int]) -> None:
+        """Blocks evicted from the GPU cache, in order: into the CPU tier if there is one (its least recently
+        evicted out when full), else gone."""
         if not self.cpu_capacity:
-            self._leave(h)
+            self._leave_all(evicted)
             return
-        self.cpu[h] = None
-        if len(self.cpu) > self.cpu_capacity:
-            old, _ = self.cpu.popitem(last=False)
-            self._leave(old)
+        cpu = self.cpu
+        cpu.update(zip(evicted, repeat(None)))
+        over = len(cpu) - self.cpu_capacity
+        if over > 0:
+            self._leave_all([cpu.popitem(last=False)[0] for _ in range(over)])
 
     def resident(self) -> int:
         return len(self.ref) + self.private_total
@@ -211,11 +204,7 @@ class Engine:
             evicted = [free.popitem(last=False)[0] for _ in range(k)]
             _drain(map(self.ref.__delitem__, evicted))
             self.evictions += k
-            if self.cpu_capacity:
-                for h in evicted:
-                    self._to_cpu(h)
-            else:
-                self._leave_all(evicted)
+            self._to_cpu(evicted)
         return short - k <= 0
 
     def _pin(self, h: int) -> None:
