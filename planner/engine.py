@@ -15,8 +15,8 @@ Speculative decoding (`spec_draft_tokens`, `spec_acceptance`): each decode step 
 (Profile.tokens_per_step), kept as a fraction per sequence so that no token is lost or counted twice.
 
 The fleet's directory (`directory`, shared by the engines of a simulation): block -> the engines holding it in
-either tier (a bit mask of engine ids), kept as blocks enter and leave; the precise index walks it once along a prompt instead of asking every
-engine.
+either tier (a bit mask of engine ids), kept as blocks enter and leave; the precise index walks it once along a
+prompt instead of asking every engine.
 
 Over 400 lines (a little): the cache's tiers, the directory and the scheduler share the block bookkeeping.
 """
