@@ -668,6 +668,11 @@ class SimulatorApp:
             async for index, token in _merged(generators):
                 data = event(index, token)
                 if data is None:
+                    # A token the tool-call parser holds back: the role chunks still go out with the first one,
+                    # as vLLM yields them on its first output, before it parses any delta.
+                    if pending and not coalesce:
+                        await response.write(b"".join(pending))
+                        pending.clear()
                     continue
                 pending.append(data)
                 if not coalesce:
@@ -950,27 +955,28 @@ class SimulatorApp:
 
         generator = self.engine.generate(req)
         calls = ToolCallStream(call) if call is not None else None
+        # message_start goes out with the first token, as vLLM sends it: its Messages stream is its chat stream
+        # converted, whose first chunk (the role) comes with the first output.
+        message_start = {
+            "type": "message_start",
+            "message": {
+                "id": message_id,
+                "type": "message",
+                "role": "assistant",
+                "content": [],
+                "model": model,
+                "stop_reason": None,
+                "stop_sequence": None,
+                "usage": {"input_tokens": len(prompt.ids), "output_tokens": 0},
+            },
+        }
         try:
-            await event(
-                "message_start",
-                {
-                    "type": "message_start",
-                    "message": {
-                        "id": message_id,
-                        "type": "message",
-                        "role": "assistant",
-                        "content": [],
-                        "model": model,
-                        "stop_reason": None,
-                        "stop_sequence": None,
-                        "usage": {"input_tokens": len(prompt.ids), "output_tokens": 0},
-                    },
-                },
-            )
             started = False
             produced = 0
             async for token in generator:
                 produced += 1
+                if produced == 1:
+                    await event("message_start", message_start)
                 if calls is not None:
                     for delta in calls.step(produced):
                         if "id" in delta:
@@ -1009,6 +1015,8 @@ class SimulatorApp:
                         "index": 0,
                     },
                 )
+            if not produced:
+                await event("message_start", message_start)
             if started:
                 await event("content_block_stop", {"type": "content_block_stop", "index": 0})
             await event(

@@ -522,3 +522,50 @@ def test_the_cpu_tier_announces_salted_blocks_without_extra_keys():
     assert (gpu["medium"], cpu["medium"]) == ("GPU", "CPU")
     assert gpu["extra_keys"] == [["tenant-a"], None] and "extra_keys" not in cpu
     assert cpu["block_hashes"] == gpu["block_hashes"] and cpu["parent_block_hash"] is None
+
+
+def timed_events(engine, path: str, body: dict) -> tuple[float, list[tuple[float, str]]]:
+    """(when the request was sent, each SSE line of the stream with when it arrived), by the client's clock."""
+    lines = []
+    sent = time.perf_counter()
+    with httpx.stream("POST", f"{engine.url}{path}", json={"model": MODEL_NAME, **body}, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line:
+                lines.append((time.perf_counter(), line))
+    return sent, lines
+
+
+@pytest.fixture
+def slow_tool_engine():
+    engine = start_engine("sim", "--decode-time", "0.05", "--prefill-overhead", "0.3", events=False)
+    yield engine
+    engine.stop()
+
+
+def test_the_first_chunk_comes_with_the_first_token_while_a_tool_call_is_parsed(slow_tool_engine):
+    """vLLM's chat stream yields the role chunk on its first output, before the tool-call parser has a name to
+    send (chat_completion/serving.py, `first_iteration`), and its Messages stream sends message_start with that
+    chunk and a content block only once the call's name is parsed. A client's time to its first chunk, and the
+    router's first-token deadline, see the first token, not the parsed call; on /v1/messages the first content
+    block comes later."""
+    for path, body, first_kind, content_kind in (
+        ("/v1/chat/completions", {"messages": ASK, "stream": True}, '"role":"assistant"', '"tool_calls"'),
+        (
+            "/v1/messages",
+            {"messages": ASK, "stream": True, "max_tokens": 200},
+            "message_start",
+            "content_block_start",
+        ),
+    ):
+        tools = (
+            [WEATHER]
+            if path.endswith("completions")
+            else [{"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}]
+        )
+        sent, lines = timed_events(slow_tool_engine, path, {**body, "tools": tools})
+        first = next(t for t, line in lines if first_kind in line.replace(" ", ""))
+        content = next(t for t, line in lines if content_kind in line.replace(" ", ""))
+        assert first - sent >= 0.3  # not before the prefill: nothing is sent ahead of the first token
+        # The call's name takes several tokens (`<tool_call>`, a newline, `{"name": "get_weather"`), each 50 ms.
+        assert content - first >= 0.15, (path, content - first)
