@@ -92,11 +92,24 @@ def from_cache(seq) -> int:
     return max(0, prompt - computed)
 
 
+def seen_ttft(seq) -> float:
+    """Seconds from a request's arrival to the first of its answer its client saw: its first token, or where
+    its trace says the client saw none of its first `output_before_visible` tokens (a tool call an engine's
+    parser held back; an answer not streamed), when it had made one more than those, its tokens taken as evenly
+    spaced between its first and its last (a sequence not finished by the end: its first token)."""
+    r = seq.request
+    unseen = min(r.output_before_visible, r.output_tokens - 1)
+    if unseen <= 0 or seq.finished_s < seq.first_token_s:
+        return seq.first_token_s - r.arrival_s
+    span = seq.finished_s - seq.first_token_s
+    return seq.first_token_s + span * unseen / (r.output_tokens - 1) - r.arrival_s
+
+
 def summarize(result: Result) -> Summary:
     seqs = result.seqs
     done = [s for s in seqs if s.first_token_s >= 0]
     rejected = len(seqs) - len(done)
-    ttft = [s.first_token_s - s.request.arrival_s for s in done]
+    ttft = [seen_ttft(s) for s in done]
     queue = [s.admitted_s - s.request.arrival_s for s in done]
     itl_by_tenant: dict[str, list[tuple[float, int]]] = {}
     for engine in result.engine_objs:
@@ -128,8 +141,8 @@ def summarize(result: Result) -> Summary:
             p = sum(s.request.input_tokens for s in mine)
             per_tenant[t] = {
                 "requests": len(mine),
-                "ttft_p50": percentile([s.first_token_s - s.request.arrival_s for s in mine], 50),
-                "ttft_p90": percentile([s.first_token_s - s.request.arrival_s for s in mine], 90),
+                "ttft_p50": percentile([seen_ttft(s) for s in mine], 50),
+                "ttft_p90": percentile([seen_ttft(s) for s in mine], 90),
                 "itl_p50": weighted_percentile(itl_by_tenant.get(t, []), 50),
                 "itl_p90": weighted_percentile(itl_by_tenant.get(t, []), 90),
                 "hit_share": sum(s.cached_tokens for s in mine) / p if p else 0.0,

@@ -23,6 +23,9 @@ class TraceRequest:
     hash_ids: tuple[int, ...]
     tenant: str = "-"
     session: str | None = None
+    # Output tokens made before the client saw any of the answer (our traces' `output_before_visible`: a tool
+    # call the engine's parser held back, an answer not streamed); 0 in the public traces.
+    output_before_visible: int = 0
 
     def full_blocks(self, block_tokens: int = TRACE_BLOCK_TOKENS) -> tuple[int, ...]:
         """The ids of the prompt's full blocks: only those can be cached and matched."""
@@ -47,6 +50,7 @@ def parse(lines: Iterable[str], limit: int | None = None) -> list[TraceRequest]:
                 hash_ids=tuple(int(h) for h in row.get("hash_ids", ())),
                 tenant=str(row.get("tenant", "-")),
                 session=None if row.get("session") is None else str(row["session"]),
+                output_before_visible=max(0, int(row.get("output_before_visible") or 0)),
             )
         )
     requests.sort(key=lambda r: (r.arrival_s, r.index))

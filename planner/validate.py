@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .profile import Profile
+from .report import seen_ttft
 from .trace import TraceRequest, load_trace
 
 FIGURES = ("ttft_p50", "ttft_p90", "rps", "hit_share")
@@ -101,7 +102,7 @@ def rank_pct(values: list[float], q: float) -> float:
 def figures(seqs) -> dict[str, float]:
     """A simulation's figures, defined as the benchmark defines its own."""
     done = [s for s in seqs if s.first_token_s >= 0]
-    ttft = [s.first_token_s - s.request.arrival_s for s in done]
+    ttft = [seen_ttft(s) for s in done]
     prompt = sum(s.request.input_tokens for s in done)
     cached = sum(max(0, s.cached_tokens) for s in done)
     start = min((s.request.arrival_s for s in seqs), default=0.0)

@@ -149,6 +149,9 @@ class TrafficTraceEntry(models.Model):
     prompt_tokens = models.PositiveIntegerField()
     cached_tokens = models.PositiveIntegerField()
     output_tokens = models.PositiveIntegerField()
+    # Output tokens made before the client saw any of the answer (a tool call held by the engine's parser until
+    # its name is complete; all but the last of an answer not streamed): a replay's TTFT is the client's.
+    output_before_visible = models.PositiveIntegerField(default=0)
     block_size = models.PositiveIntegerField()  # the deployment's, which the block hashes are of
     # The prompt's full blocks in order, 8 bytes each: keyed hashes of the router's block keys.
     block_hashes = models.BinaryField(default=b"")

@@ -92,12 +92,29 @@ def entry_fields(exchange: Exchange, secret: bytes) -> dict[bytes, bytes]:
         "prompt": prompt,
         "cached": min(usage.cached_tokens, prompt),
         "output": usage.output_tokens,
+        "unseen": output_before_visible(exchange, usage.output_tokens, time.perf_counter()),
         "block_size": request.deployment.block_size,
     }
     return {
         FIELD: json.dumps(scalars, separators=(",", ":")).encode(),
         BLOCKS: hashed_blocks(ctx.block_keys, secret),
     }
+
+
+def output_before_visible(exchange: Exchange, output: int, ended: float) -> int:
+    """How many of the answer's first output tokens the client saw nothing of, so that a replay times its first
+    token as the client saw it: none where the first event came with the first token; all but the last for an
+    answer not streamed (it comes whole); on a stream whose first content came later (a tool call, which the
+    engine's parser holds back until the call's name is complete, opens no Messages content block before), the
+    tokens made by then, taking them as evenly spaced between the first event and the end."""
+    if output <= 1:
+        return 0
+    if not exchange.request.stream:
+        return output - 1
+    first, content = exchange.first_byte_at, exchange.first_content_at
+    if first is None or content is None or content <= first or ended <= first:
+        return 0
+    return min(output - 1, round((content - first) / (ended - first) * (output - 1)))
 
 
 def record(exchange: Exchange) -> None:
@@ -165,6 +182,7 @@ def _row(fields: dict[bytes, bytes]):
         prompt_tokens=max(0, int(data["prompt"])),
         cached_tokens=max(0, int(data["cached"])),
         output_tokens=max(0, int(data["output"])),
+        output_before_visible=max(0, int(data.get("unseen", 0))),
         block_size=max(1, int(data["block_size"])),
         block_hashes=blocks[: len(blocks) // HASH_BYTES * HASH_BYTES],
     )
@@ -209,8 +227,9 @@ def export_rows(
 ) -> Iterator[dict]:
     """The period's entries as Mooncake trace lines, in order of arrival: `timestamp` (ms from the first),
     `input_length`, `output_length`, `hash_ids` (one per `block_tokens` of the prompt, numbered from 0 in order
-    of first appearance: equal prefixes, equal ids), then ours: `cached_length`, `tenant`, `team`, `key`,
-    `priority`, `session` (numbered as the hash ids; null where none). A block the router did not key (the
+    of first appearance: equal prefixes, equal ids), then ours: `cached_length`, `output_before_visible` (the
+    output tokens made before the client saw any of the answer), `tenant`, `team`, `key`, `priority`,
+    `session` (numbered as the hash ids; null where none). A block the router did not key (the
     prompt's partial last block, a prompt it did not tokenize) gets an id of its own."""
     from routing.models import TrafficTraceEntry
 
@@ -248,6 +267,7 @@ def export_rows(
             "output_length": entry.output_tokens,
             "hash_ids": hash_ids,
             "cached_length": entry.cached_tokens,
+            "output_before_visible": entry.output_before_visible,
             "tenant": entry.tenant_id,
             "team": entry.team_id,
             "key": entry.api_key_id,

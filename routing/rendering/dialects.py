@@ -56,6 +56,13 @@ class Dialect:
     # CONTENT_MARKER. None: look at every event.
     SPECIAL_MARKERS: tuple[bytes, ...] | None = None
     CONTENT_MARKER = b""
+    # The first event holding this is the first of the answer a client sees (traffic traces time it): the first
+    # content event, unless the API opens its content in an event of its own.
+    SEEN_MARKER: bytes | None = None
+
+    @property
+    def seen_marker(self) -> bytes:
+        return self.SEEN_MARKER or self.CONTENT_MARKER
 
     def error_body(
         self, status: int, message: str, param: str | None = None, code: str | None = None
@@ -213,6 +220,7 @@ class AnthropicDialect(Dialect):
     # text that reads like the special marker only makes the relay look at the rest one by one).
     SPECIAL_MARKERS = (b"event: message_",)
     CONTENT_MARKER = b"event: content_block_delta\n"
+    SEEN_MARKER = b"event: content_block_start\n"  # a block opens (a tool call's once its name is parsed)
 
     def error_body(
         self, status: int, message: str, param: str | None = None, code: str | None = None

@@ -103,6 +103,9 @@ class Exchange:
         self.endpoint_url = ""
         self.endpoint_name = ""
         self.first_byte_at: float | None = None
+        # When the first of the answer a client sees came (a chat stream's role chunk, a Messages content block):
+        # later than the first byte where a tool-call parser holds the call back until its name is complete.
+        self.first_content_at: float | None = None
         # While the chosen engine prefills this prompt: its load, and the tokens added to its prefill backlog.
         self._prefilling: tuple[EndpointLoad, Prefill] | None = None
         self.streamed_events = 0
@@ -546,6 +549,8 @@ class Exchange:
                 whole = b"".join((*pending, chunk[:end])) if pending else chunk[:end]
                 rest = chunk[end:]
                 pending, pending_size = ([rest], len(rest)) if rest else ([], 0)
+                if self.first_content_at is None and dialect.seen_marker in whole:
+                    self.first_content_at = time.perf_counter()
                 plain = dialect.plain_prefix(whole)
                 out = []
                 if plain:

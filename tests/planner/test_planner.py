@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from planner.profile import Profile
-from planner.report import summarize
+from planner.report import seen_ttft, summarize
 from planner.sim import Simulation, simulate
 from planner.trace import TraceRequest, assign_tenants, ceiling, load_trace, parse, tenant_rule
 from routing.scheduling.pipeline import REGISTRY
@@ -47,6 +47,36 @@ def test_parse_reads_the_mooncake_form():
     assert [r.arrival_s for r in rows] == [0.5, 1.5]
     assert rows[0].output_tokens == 1  # at least the one token a prefill samples
     assert rows[1].full_blocks() == (7, 8)  # the partial last block is not cacheable
+    assert rows[0].output_before_visible == 0  # the public traces do not say: every first token seen
+    ours = parse(
+        [
+            '{"timestamp": 0, "input_length": 600, "output_length": 9, "hash_ids": [1, 2], '
+            '"output_before_visible": 5}'
+        ]
+    )
+    assert ours[0].output_before_visible == 5
+
+
+def test_a_first_token_the_client_did_not_see_is_timed_when_it_saw_one():
+    """TTFT as the client saw it: where the trace says it saw nothing of the first k output tokens, the time
+    its sequence had made k + 1, between its first and last token as evenly spaced; none unseen, the first."""
+    base = made_up(20)
+    unseen = {3: 4, 7: 100, 11: 1}  # 100: more than the answer has, so its last token
+    trace = [replace(r, output_before_visible=unseen.get(r.index, 0)) for r in base]
+    plain = {s.request.index: s for s in simulate(base, 2, FAST, "precise").seqs}
+    seen = {s.request.index: s for s in simulate(trace, 2, FAST, "precise").seqs}
+    for i, s in seen.items():
+        assert (s.first_token_s, s.finished_s) == (plain[i].first_token_s, plain[i].finished_s)  # same run
+        out, k = s.request.output_tokens, min(unseen.get(i, 0), s.request.output_tokens - 1)
+        step = (s.finished_s - s.first_token_s) / (out - 1)
+        expected = s.first_token_s + k * step - s.request.arrival_s
+        assert seen_ttft(s) == pytest.approx(expected)
+        assert seen_ttft(s) >= seen_ttft(plain[i]) - 1e-12
+    assert seen_ttft(seen[7]) == pytest.approx(seen[7].finished_s - seen[7].request.arrival_s)
+    assert (
+        summarize(simulate(trace, 2, FAST, "precise")).ttft_p90
+        >= summarize(simulate(base, 2, FAST, "precise")).ttft_p90
+    )
 
 
 def test_tenant_rules():

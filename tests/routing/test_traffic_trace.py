@@ -137,6 +137,8 @@ def test_it_records_sampled_requests_and_exports_a_trace_the_planner_replays(tra
     assert entries[ids[1]].session and not first.session and entries[ids[1]].session != "agent-7"
     for request_id, entry in entries.items():
         event = events[request_id]
+        # Not streamed: the client saw nothing until the whole answer, after its last token.
+        assert entry.output_before_visible == entry.output_tokens - 1
         assert (entry.prompt_tokens, entry.cached_tokens, entry.output_tokens) == (
             event.prompt_tokens,
             event.cached_prompt_tokens,
@@ -190,6 +192,7 @@ def test_it_records_sampled_requests_and_exports_a_trace_the_planner_replays(tra
         "output_length",
         "hash_ids",
         "cached_length",
+        "output_before_visible",
         "tenant",
         "team",
         "key",
@@ -239,3 +242,58 @@ def test_it_prunes_entries_past_their_keeping(db, settings):
         )
     assert traffic_trace_prune(now=now) == 1
     assert list(TrafficTraceEntry.objects.values_list("request_id", flat=True)) == ["r1"]
+
+
+WEATHER_TOOL = {
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+
+
+def test_it_records_the_output_the_client_saw_nothing_of(traced_fleet, client):
+    """A replay times the first token as the client saw it: a chat stream shows its role chunk with the first
+    token; a Messages stream that calls a tool opens its first content block only once the engine's parser has
+    the call's name, some tokens later; an answer not streamed shows nothing before its last token."""
+    fleet = traced_fleet
+    auth = {"authorization": f"Bearer {fleet.key.secret}"}
+    ids = []
+    with httpx.stream(
+        "POST",
+        f"{fleet.router.url}{CHAT}",
+        headers=auth,
+        json={"model": MODEL_NAME, "messages": chat("list the files"), "max_tokens": 12, "stream": True},
+        timeout=60,
+    ) as r:
+        assert r.status_code == 200 and list(r.iter_lines())
+        ids.append(r.headers["x-request-id"])
+    with httpx.stream(
+        "POST",
+        f"{fleet.router.url}/v1/messages",
+        headers={**auth, "anthropic-version": "2023-06-01"},
+        json={
+            "model": MODEL_NAME,
+            "max_tokens": 200,
+            "messages": [{"role": "user", "content": "What is the weather in Oslo?"}],
+            "tools": [WEATHER_TOOL],
+            "tool_choice": {"type": "any"},
+            "stream": True,
+        },
+        timeout=60,
+    ) as r:
+        assert r.status_code == 200
+        lines = list(r.iter_lines())  # read to its end: a client that leaves early cancels the request
+        assert any("tool_use" in line for line in lines)
+        ids.append(r.headers["x-request-id"])
+    ids.append(ask(fleet, fleet.key, chat("and the tests")))
+    assert stream_length(client, 3) == 3
+    assert drain_traffic_trace() == 3
+    seen = {e.request_id: e for e in TrafficTraceEntry.objects.all()}
+    streamed, tool_call, whole = (seen[i] for i in ids)
+    assert streamed.output_tokens == 12 and streamed.output_before_visible == 0
+    # `<tool_call>`, a newline and `{"name": "get_weather"` come before the block opens; arguments follow it.
+    assert 3 <= tool_call.output_before_visible < tool_call.output_tokens - 3, (
+        tool_call.output_before_visible,
+        tool_call.output_tokens,
+    )
+    assert whole.output_before_visible == whole.output_tokens - 1 == 2
