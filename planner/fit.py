@@ -9,6 +9,8 @@ linear system:
   step_fixed, plus t * prefill_per_token + prefill_attention * (sum over its tokens of the context before) / 1000,
   plus the request's overhead (HTTP, parsing: the answer's latency holds it, the engine's iterations do not); or,
   for an engine whose prefills cost less fixed time than a decode step, prefill_fixed in place of step_fixed.
+  Points the engine's own TTFT timed add to that overhead what lies outside its clock: the client's time less
+  the engine's (the HTTP round trip, the server's parsing and serialisation), their median.
 
 Decode first (its gaps hold no request overhead), then prefill with step_fixed known. Every parameter is at least 0:
 of the subsets of columns whose unconstrained fit is non-negative, the one with the least squared error wins (a
@@ -133,11 +135,15 @@ def fit_profile(m: Measurements, base: Profile) -> Fit:
     # is the request's overhead; below, the engine charges a prefill less than a decode step's fixed cost (the
     # simulator runs prefills beside the decode steps, with a fixed cost of their own): prefill_fixed_s.
     intercept, per_token, attention_s = nonnegative_lstsq(rows, y2, free=(0,))
+    # Outside the engine's clock: the HTTP round trip and the server's parsing and serialisation, the median of
+    # the client's time less the engine's over the points both timed.
+    outside = [p.client_s - p.ttft_s for p in m.prefill if p.timed_by == "engine" and p.client_s is not None]
+    http_s = max(0.0, statistics.median(outside)) if outside else 0.0
     changes = {
         "step_fixed_s": _round(step_fixed),
         "decode_per_seq_s": _round(per_seq),
         "decode_per_ktoken_s": _round(per_ktoken),
-        "request_overhead_s": _round(max(0.0, intercept)),
+        "request_overhead_s": _round(max(0.0, intercept) + http_s),
         "prefill_fixed_s": None if intercept >= 0 else _round(max(0.0, step_fixed + intercept)),
         "prefill_per_token_s": _round(per_token),
         "prefill_attention_s": _round(attention_s),
@@ -146,8 +152,9 @@ def fit_profile(m: Measurements, base: Profile) -> Fit:
         changes["kv_capacity_tokens"] = m.kv_blocks * m.block_size
     profile = base.with_(**changes)
     prefill_errors = [
-        (lone_prefill_s(profile, p.prompt_tokens - p.cached_tokens, p.cached_tokens) - p.ttft_s) / p.ttft_s
+        (lone_prefill_s(profile, p.prompt_tokens - p.cached_tokens, p.cached_tokens) - measured) / measured
         for p in m.prefill
+        for measured in [p.client_s if p.timed_by == "engine" and p.client_s is not None else p.ttft_s]
     ]
     return Fit(profile, prefill_errors, decode_errors)
 

@@ -42,6 +42,9 @@ class PrefillPoint:
     cached_tokens: int
     ttft_s: float  # the least of the repeats
     timed_by: str = "engine"  # engine (its TTFT histogram) or client
+    # The least of the repeats by the client's clock (sent to answered), which holds the HTTP round trip and the
+    # server's parsing and serialisation that the engine's TTFT does not; None in measurements made before.
+    client_s: float | None = None
 
 
 @dataclass
@@ -90,6 +93,27 @@ class Plan:
     decode_contexts: tuple[int, ...] = (256, 1024, 3072)  # rounded so that the streams' blocks do not change
     decode_tokens: int = 64
     decode_repeats: int = 4  # each decode point is the least of these many runs
+    # A decode point's sequences hold at most this many tokens in all (None: 80 % of the KV capacity the engine
+    # reports, if it does), so that they fit its cache and are not preempted while they are timed.
+    decode_max_tokens: int | None = None
+
+    @classmethod
+    def up_to(cls, context: int, max_num_seqs: int) -> Plan:
+        """A plan reaching `context` tokens (the longest prompts the engine's traffic sends) and
+        `max_num_seqs` sequences decoding at once, fewer repeats and decode tokens at the long lengths' cost."""
+        lengths = tuple(n for n in (128, 512, 1024, 2048, 4096, 8192, 12288, 16384) if n < context) + (
+            context,
+        )
+        return cls(
+            prefill_lengths=lengths,
+            prefix_lengths=(1024, context // 2),
+            suffix_lengths=(128, 1024),
+            repeats=3,
+            decode_seqs=tuple(n for n in (1, 2, 4, 8, 16, 32, 64) if n < max_num_seqs) + (max_num_seqs,),
+            decode_contexts=tuple(n for n in (256, 1024, 4096) if n < context) + (context,),
+            decode_tokens=16,
+            decode_repeats=2,
+        )
 
 
 class Engine:
@@ -254,9 +278,10 @@ class Meter:
     async def prefill_point(self, prompts: list[list[int]], prefix_len: int) -> PrefillPoint:
         timed = [await self.timed_prefill(p) for p in prompts]
         cached = min(hit if hit >= 0 else prefix_len // self.bs * self.bs for _, _, hit in timed)
+        client = min(t[1] for t in timed)
         if all(engine_s is not None for engine_s, _, _ in timed):
-            return PrefillPoint(len(prompts[0]), cached, min(t[0] for t in timed), "engine")
-        return PrefillPoint(len(prompts[0]), cached, min(t[1] for t in timed), "client")
+            return PrefillPoint(len(prompts[0]), cached, min(t[0] for t in timed), "engine", client)
+        return PrefillPoint(len(prompts[0]), cached, client, "client", client)
 
     async def prefill_fresh(self, out: Measurements) -> None:
         for length in self.plan.prefill_lengths:
@@ -288,11 +313,17 @@ class Meter:
 
     async def decode(self, out: Measurements) -> None:
         tokens = self.plan.decode_tokens
+        most = self.plan.decode_max_tokens
+        if most is None:
+            blocks = config_blocks(await self.engine.metrics())
+            most = int(0.8 * blocks * self.bs) if blocks else None
         for context in self.plan.decode_contexts:
             length = self.decode_length(context)
             if length is None:
                 continue
             for n in self.plan.decode_seqs:
+                if most and n * (length + tokens) > most:
+                    continue
                 runs = [await self.decode_run(n, length) for _ in range(self.plan.decode_repeats)]
                 timed_by = "engine" if all(by == "engine" for _, by in runs) else "client"
                 gaps = [gap for gap, by in runs if by == timed_by]

@@ -98,6 +98,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-price", type=float, default=0.0, help="price per GPU-hour")
     p.add_argument("--quick", action="store_true", help="fewer points (tests)")
     p.add_argument(
+        "--up-to",
+        type=int,
+        metavar="TOKENS",
+        help="measure prefills and decodes to this many tokens of context and max_num_seqs sequences at once (the "
+        "longest prompts the engine's traffic sends; default: to 3,072 tokens and 16 sequences)",
+    )
+    p.add_argument(
         "--refit", metavar="PROFILE", help="refit a stored profile from its measurements; nothing measured"
     )
     args = p.parse_args(argv)
@@ -119,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         block_size=args.block_size,
         max_model_len=args.max_model_len,
         base=base,
-        plan=QUICK if args.quick else None,
+        plan=QUICK if args.quick else Plan.up_to(args.up_to, args.max_num_seqs) if args.up_to else None,
     )
     print(write_profile(document, args.output))
     return 0

@@ -73,3 +73,22 @@ def test_the_least_squares_keep_bounded_parameters_non_negative():
     assert x[1] == 0 and x[0] == pytest.approx(2.0)
     free = nonnegative_lstsq(a, y, free=(1,))
     assert free == pytest.approx([4.0, -1.0])
+
+
+def test_the_time_outside_the_engines_clock_joins_the_request_overhead():
+    """Points the engine's TTFT timed, with the client's time beside them: the median difference (the HTTP round
+    trip and the server's parsing, which the engine's clock does not hold) is added to the fitted overhead."""
+    truth = Profile(
+        step_fixed_s=0.002, prefill_per_token_s=6e-6, decode_per_seq_s=1e-4, request_overhead_s=0.0
+    )
+    m = made_up(truth)
+    outside = [0.004, 0.005, 0.006, 0.005, 0.030, 0.005]  # one slow outlier: the median ignores it
+    for point, extra in zip(m.prefill, outside, strict=True):
+        point.client_s = point.ttft_s + extra
+    got = fit_profile(m, Profile()).profile
+    assert got.request_overhead_s == pytest.approx(0.005, rel=1e-3)
+    assert got.prefill_per_token_s == pytest.approx(truth.prefill_per_token_s, rel=1e-3)
+    # Timed by the client alone: nothing to add (the intercept already holds it).
+    for point in m.prefill:
+        point.timed_by, point.client_s = "client", None
+    assert fit_profile(m, Profile()).profile.request_overhead_s == pytest.approx(0.0, abs=1e-9)

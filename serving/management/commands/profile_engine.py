@@ -45,6 +45,13 @@ class Command(BaseCommand):
         parser.add_argument("--output", help="the file to write (default: planner/profiles/NAME.json)")
         parser.add_argument("--gpu-price", type=float, default=0.0, help="price per GPU-hour for the planner")
         parser.add_argument("--quick", action="store_true", help="fewer points: seconds on a fast engine")
+        parser.add_argument(
+            "--up-to",
+            type=int,
+            metavar="TOKENS",
+            help="measure to this many tokens of context and the pool's max_num_seqs sequences at once (the "
+            "longest prompts its traffic sends; default: to 3,072 tokens and 16 sequences)",
+        )
 
     def handle(self, *args, **options):
         try:
@@ -61,6 +68,13 @@ class Command(BaseCommand):
             gpu_price_per_hour=options["gpu_price"],
         )
         plan: Plan | None = QUICK if options["quick"] else None
+        if options["up_to"] and not options["quick"]:
+            if options["up_to"] >= deployment.max_model_len:
+                raise CommandError(
+                    f"--up-to {options['up_to']} is not below the deployment's max_model_len "
+                    f"({deployment.max_model_len}): a prompt that long cannot be answered"
+                )
+            plan = Plan.up_to(options["up_to"], pool.max_num_seqs)
         self.stdout.write(f"measuring {endpoint.name} ({endpoint.url}) of {deployment.name}/{pool.name}")
         document = profile_engine(
             endpoint.url,
