@@ -7,7 +7,9 @@ The figures are computed here as the benchmark computes them (bench/prefix_routi
 by rank (the value at index int(q * n) of the sorted TTFTs), throughput as finished requests over the span from
 the first arrival to the last end, the hit share as cached prompt tokens over prompt tokens (the engines'
 `prefix_cache_hits / prefix_cache_queries`). A simulated TTFT runs from the request's arrival at the router (the
-recorded arrival) to its first token; a measured one from the client's send to the first streamed token.
+recorded arrival) to the first of its answer the client saw (`report.seen_ttft`: its first token, or later where the
+trace says the client saw nothing of the first ones); a measured one from the client's send to the first streamed
+content (a chat stream's role chunk, a Messages stream's first content block).
 """
 
 from __future__ import annotations
