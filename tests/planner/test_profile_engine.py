@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from django.core.management import call_command
+from django.core.management import CommandError, call_command
 
+from planner.measure import Plan
 from planner.profile import Profile, profile_names
 from planner.sim import simulate
 from planner.trace import TraceRequest
@@ -108,3 +109,12 @@ def test_the_committed_profiles_load_by_name_and_say_where_they_come_from():
         assert profile.prefill_per_token_s > 0 and profile.step_fixed_s + profile.decode_per_seq_s > 0
     assert Profile.load("vllm-cpu-tiny-qwen").source.startswith("measured here")
     assert "not measured here" in Profile.load("llama-3.3-70b-h100-tp4").source
+
+
+def test_up_to_measures_to_the_traffics_lengths_and_refuses_past_the_models(sim_deployment):
+    plan = Plan.up_to(12288, 32)
+    assert plan.prefill_lengths[-1] == 12288 and 8192 in plan.prefill_lengths
+    assert plan.decode_contexts[-1] == 12288 and plan.decode_seqs[-1] == 32
+    assert plan.prefix_lengths == (1024, 6144)
+    with pytest.raises(CommandError, match="not below the deployment's max_model_len"):
+        call_command("profile_engine", "profiled", "--up-to", "4096")
