@@ -7,7 +7,7 @@ import math
 import time
 from collections import OrderedDict, deque
 from functools import partial
-from itertools import compress, filterfalse, repeat, takewhile
+from itertools import compress, filterfalse, islice, repeat, takewhile
 from operator import is_, not_
 
 _is_none = partial(is_, None)
@@ -21,7 +21,8 @@ def _enter_all(owners: dict, keys: list, member: int) -> None:
         return
     sets = list(map(owners.get, keys))
     if None in sets:
-        owners.update(zip(compress(keys, map(_is_none, sets)), map(set, repeat((member,))), strict=False))
+        # A set of its own for each new key: copies of a one-member set (set.copy is cheaper than building one).
+        owners.update(zip(compress(keys, map(_is_none, sets)), map(set.copy, repeat({member})), strict=False))
         sets = filter(None, sets)
     deque(map(set.add, sets, repeat(member)), maxlen=0)
 
@@ -111,7 +112,10 @@ class ApproximateIndex:
         _enter_all(self._where, fresh, endpoint)
         excess = len(lru) - self.capacity
         if excess > 0:
-            _leave_all(self._where, [lru.popitem(last=False)[0] for _ in range(excess)], endpoint)
+            # The least recently sent, read off the front and then deleted (C-level, not a popitem call each).
+            evicted = list(islice(lru, excess))
+            deque(map(lru.__delitem__, evicted), maxlen=0)
+            _leave_all(self._where, evicted, endpoint)
 
     def forget(self, endpoint: int) -> None:
         for key in self._lru.pop(endpoint, {}):

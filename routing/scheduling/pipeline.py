@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from operator import mul
 from typing import TYPE_CHECKING, Protocol
 
 from routing.info import DECODE_ROLES
@@ -229,13 +230,15 @@ class Pipeline:
             candidates = keep(ctx, candidates)
         if not candidates:
             return None, []
+        scores = [c.scores for c in candidates]
         for key, scorer in plan.scorers:
-            for candidate, value in zip(candidates, scorer.score(ctx, candidates, policy), strict=True):
-                candidate.scores[key] = value
+            for mine, value in zip(scores, scorer.score(ctx, candidates, policy), strict=True):
+                mine[key] = value
         choice = Choice(deployment, ctx, candidates, plan.affinity)
         if len(candidates) > 1:
             for step in plan.steps:
                 step(choice)
         weights = {name: getattr(policy, field) for name, field in plan.weight_of.items()}
-        totals = [sum(weights[name] * value for name, value in c.scores.items()) for c in candidates]
+        # Each candidate's weighted scores summed in the order they were set (map: no generator a candidate).
+        totals = [sum(map(mul, map(weights.__getitem__, c.scores), c.scores.values())) for c in candidates]
         return self.picker.pick(choice, totals, plan.tie_breaks), candidates
