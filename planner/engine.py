@@ -1,9 +1,11 @@
 """A simulated engine: continuous batching over a KV cache of fixed size with an LRU prefix cache of block hashes,
 as vLLM runs it, in virtual time.
 
-Blocks: a prompt's full blocks, once computed, enter the prefix cache under their hash and are shared by every
-sequence that uses them; the partial last block and the blocks of generated tokens are the sequence's own. A
-cached block no sequence uses stays until room is needed, least recently freed first. When a running sequence
+Blocks: a prompt's full blocks enter the prefix cache under their hash when the chunk that computes them is
+scheduled (as vLLM's scheduler caches them: a request scheduled after it in the same iteration finds them, since a
+forward pass writes every sequence's KV before any attends), and are shared by every sequence that uses them; the
+partial last block and the blocks of generated tokens are the sequence's own. A cached block no sequence uses
+stays until room is needed, least recently freed first. When a running sequence
 needs a block and none can be freed, the latest admitted sequence is preempted (its blocks freed, its tokens
 recomputed when it is admitted again), as vLLM does.
 
@@ -27,7 +29,7 @@ import math
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from itertools import compress, filterfalse, repeat, takewhile
+from itertools import compress, filterfalse, islice, repeat, takewhile
 from operator import add, and_, not_, or_, sub, truth
 
 from .profile import Profile
@@ -39,6 +41,14 @@ from .trace import TraceRequest, cached_tokens_for
 def _drain(iterator) -> None:
     """Run an iterator of calls made for their effect."""
     deque(iterator, maxlen=0)
+
+
+def _take_oldest(lru: OrderedDict, k: int) -> list[int]:
+    """Remove the `k` oldest keys of an LRU, returned oldest first: read off the front, then deleted (C-level passes,
+    not a popitem call each)."""
+    oldest = list(islice(lru, k))
+    _drain(map(lru.__delitem__, oldest))
+    return oldest
 
 
 @dataclass(eq=False, slots=True)
@@ -140,12 +150,22 @@ class Engine:
         first `start` known to be held."""
         ref, cpu = self.ref, self.cpu
         rest = blocks[start:]
+        on_gpu = len(list(takewhile(ref.__contains__, rest)))
         if not cpu:
-            return start + len(list(takewhile(ref.__contains__, rest))), 0
-        n = start + len(
-            list(takewhile(truth, map(or_, map(ref.__contains__, rest), map(cpu.__contains__, rest))))
-        )
-        gpu = sum(map(ref.__contains__, blocks[:n]))
+            return start + on_gpu, 0
+        # As eviction leaves them: a run on the GPU, then a run in the CPU tier (a prompt's later blocks are
+        # evicted first). Walked as two runs, one lookup a block; the tiers hold no block in common.
+        in_cpu = len(list(takewhile(cpu.__contains__, rest[on_gpu:])))
+        n = start + on_gpu + in_cpu
+        gpu = on_gpu + (sum(map(ref.__contains__, blocks[:start])) if start else 0)
+        if n < len(blocks) and blocks[n] in ref:
+            # GPU blocks again past the CPU run: the rest walked with both tiers asked.
+            tail = blocks[n:]
+            more = len(
+                list(takewhile(truth, map(or_, map(ref.__contains__, tail), map(cpu.__contains__, tail))))
+            )
+            gpu += sum(map(ref.__contains__, tail[:more]))
+            n += more
         return gpu, n - gpu
 
     # The fleet's directory: an engine enters a block when it first holds it in either tier, leaves it when it
@@ -180,7 +200,7 @@ class Engine:
         cpu.update(zip(evicted, repeat(None)))
         over = len(cpu) - self.cpu_capacity
         if over > 0:
-            self._leave_all([cpu.popitem(last=False)[0] for _ in range(over)])
+            self._leave_all(_take_oldest(cpu, over))
 
     def resident(self) -> int:
         return len(self.ref) + self.private_total
@@ -201,7 +221,7 @@ class Engine:
         free = self.free_lru
         k = min(short, len(free))
         if k:
-            evicted = [free.popitem(last=False)[0] for _ in range(k)]
+            evicted = _take_oldest(free, k)
             _drain(map(self.ref.__delitem__, evicted))
             self.evictions += k
             self._to_cpu(evicted)
@@ -278,21 +298,31 @@ class Engine:
         matched = seq.blocks[:on_gpu]
         # The blocks pulled for it from another engine (P/D), which come with their own allocation.
         pulled = seq.blocks[on_gpu : seq.pulled_upto]
-        # Then the blocks that follow in the CPU tier.
-        cpu = self.cpu
-        from_cpu = list(takewhile(cpu.__contains__, seq.blocks[on_gpu + len(pulled) :])) if cpu else []
         seq.target = seq.request.input_tokens + seq.generated
-        need = math.ceil(seq.target / self.bt) - on_gpu - len(pulled) - len(from_cpu)
+        blocks_in_all = math.ceil(seq.target / self.bt)
         # Room for it or nothing changes, as vLLM allocates a request's blocks only when the free ones (cached
         # ones nobody uses included) are enough: the cached blocks it matches leave the free ones when pinned.
+        # The blocks it takes anew are all but those it matches and those pulled that the cache holds, wherever
+        # the rest come from (computed, or loaded from the CPU tier): so this check needs no walk of the CPU
+        # tier, which is done only once it passes (an engine out of room retries its queue's head each iteration).
         if self.capacity is not None:
             ref, free = self.ref, self.free_lru
-            new = len(from_cpu) + sum(map(not_, map(ref.__contains__, pulled)))
-            short = self.resident() + need + new - self.capacity
+            short = (
+                self.resident()
+                + blocks_in_all
+                - on_gpu
+                - len(pulled)
+                + sum(map(not_, map(ref.__contains__, pulled)))
+                - self.capacity
+            )
             if short > 0 and short > len(free) - sum(map(free.__contains__, matched)) - sum(
                 map(free.__contains__, pulled)
             ):
                 return False
+        # Then the blocks that follow in the CPU tier.
+        cpu = self.cpu
+        from_cpu = list(takewhile(cpu.__contains__, seq.blocks[on_gpu + len(pulled) :])) if cpu else []
+        need = blocks_in_all - on_gpu - len(pulled) - len(from_cpu)
         self._pin_held(matched, seq.unique)
         self._pin_computed(pulled, seq.unique)
         # The CPU tier's blocks leave it before room is made, so that the blocks the room pushes there do not
@@ -325,9 +355,18 @@ class Engine:
         self.private_total -= seq.private
         seq.private = 0
 
-    def _cache_prompt(self, seq: Seq) -> None:
-        """The prompt's computed full blocks enter the prefix cache (shared with an equal block already there)."""
-        new = seq.blocks[len(seq.pinned) :]
+    def _cache_scheduled(self, seq: Seq, take: int) -> None:
+        """The full blocks of a prompt that a chunk of `take` tokens scheduled now completes enter the prefix cache
+        now, as vLLM caches a chunk's blocks when it schedules it: a request admitted after it, in this iteration
+        or a later one, finds them."""
+        upto = min(len(seq.blocks), (seq.computed + take) // self.bt)
+        if upto > len(seq.pinned):
+            self._cache_prompt(seq, upto)
+
+    def _cache_prompt(self, seq: Seq, upto: int | None = None) -> None:
+        """The prompt's computed full blocks (to `upto`, else all) enter the prefix cache (shared with an equal
+        block already there)."""
+        new = seq.blocks[len(seq.pinned) : upto]
         self._pin_computed(new, seq.unique)
         seq.pinned.extend(new)
         seq.private -= len(new)
@@ -363,18 +402,10 @@ class Engine:
                 self._schedule(self._start + done * self._dt, self, self.gen)
 
     def _begin(self, now: float) -> None:
+        """Schedule one iteration as vLLM's scheduler does: the running sequences first, in admission order (room
+        for each decoding one's next token, then prefill chunks first come first served within the token
+        budget), then waiting ones while budget, slots and blocks allow, none if a sequence was preempted now."""
         p = self.profile
-        while self.waiting and len(self.running) < p.max_num_seqs:
-            if not self._admit(self.waiting[0], now):
-                if not self.running:
-                    # It cannot fit even in an empty cache: refused, as an engine refuses a prompt over its limit.
-                    seq = self.waiting.popleft()
-                    self.rejected += 1
-                    seq.finished_s = now
-                    self._on_finish(seq, now)
-                    continue
-                break
-            self.running.append(self.waiting.popleft())
         # The running sequences are in admission order, and the decoding ones come first: prompts are prefilled
         # first come first served (a later one gets budget only once every earlier one has all it needs), a new
         # or readmitted sequence has a prompt to compute and joins at the end, and preemption takes from the end.
@@ -383,36 +414,64 @@ class Engine:
         # inlined in this per-iteration pass.)
         running, bt, step_room = self.running, self.bt, self.step_room
         i = context = 0
+        preempted = False
         while i < len(running):
+            # The decoding ones with room for their next token, in one run (most of them, most iterations).
+            for s in islice(running, i, None):
+                if s.target != s.computed or s.generated + step_room > s.full_at:
+                    break
+                context += s.request.input_tokens + s.generated
+                i += 1
+            if i == len(running):
+                break
             s = running[i]
             if s.target != s.computed:
                 break  # the prefilling ones, from here on
-            if s.generated + step_room > s.full_at:
-                while not self._room(1):
-                    if self._preempt_one() is s:
-                        break
-                if i == len(running):
-                    break  # it was preempted, the last one
-                # One block more, and look at it again.
-                s.private += 1
-                s.full_at += bt
-                self.private_total += 1
-                self._track()
-                continue
-            context += s.request.input_tokens + s.generated
-            i += 1
-        if not running:
-            self.busy = False
-            return
-        decoders, prefilling = running[:i], running[i:]
+            # A decoding one that needs a block more.
+            while not self._room(1):
+                preempted = True
+                if self._preempt_one() is s:
+                    break
+            if i == len(running):
+                break  # it was preempted, the last one
+            # One block more, and look at it again.
+            s.private += 1
+            s.full_at += bt
+            self.private_total += 1
+            self._track()
+        decoders = running[:i]
         budget = p.max_num_batched_tokens - len(decoders)
         chunks: list[tuple[Seq, int]] = []
-        for s in prefilling:
+        for s in running[i:]:
             if budget <= 0:
                 break
             take = min(s.target - s.computed, budget)
             chunks.append((s, take))
+            self._cache_scheduled(s, take)
             budget -= take
+        # Waiting sequences, in order, while the budget lasts: each finds the blocks scheduled before it cached,
+        # those of this iteration's chunks included (vLLM caches a chunk's blocks as it schedules it, and a
+        # forward pass writes every sequence's KV before any attends).
+        waiting = self.waiting
+        while waiting and budget > 0 and len(running) < p.max_num_seqs and not preempted:
+            s = waiting[0]
+            if not self._admit(s, now):
+                if not running:
+                    # It cannot fit even in an empty cache: refused, as an engine refuses a prompt over its limit.
+                    waiting.popleft()
+                    self.rejected += 1
+                    s.finished_s = now
+                    self._on_finish(s, now)
+                    continue
+                break
+            running.append(waiting.popleft())
+            take = min(s.target - s.computed, budget)
+            chunks.append((s, take))
+            self._cache_scheduled(s, take)
+            budget -= take
+        if not running:
+            self.busy = False
+            return
         rate = self.step_tokens
         if chunks or not decoders:
             steps = 1

