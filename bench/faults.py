@@ -31,7 +31,8 @@ Outcomes, per request the client sent in the window:
 - answered: a whole answer (its final event), or cancelled by the client;
 - failed clean: an error in the client's dialect: a status with a JSON error body, or a stream ended by `event:
   error` (Anthropic) or `response.failed` (Responses);
-- cut: a stream in flight on a router process that was SIGKILLed (no process is left to write an error);
+- cut: a request in flight on a router process that was SIGKILLed, streaming or not yet answered (no process is
+  left to write an error);
 - failed otherwise: a reset connection, a stream ended without its final or error event, no answer within
   `--limit` seconds, a 5xx without a body.
 """
@@ -479,7 +480,7 @@ async def send(http, traffic: Traffic, conv, replica: int, rng: random.Random) -
         killed = traffic.killed.get(record.replica)
         if (
             record.outcome == "other"
-            and record.status == 200
+            and record.status in (0, 200)  # a stream, or a request whose answer had not begun
             and killed is not None
             and record.started < killed <= record.done
         ):
@@ -952,8 +953,8 @@ def report(args, argv: list[str], rows: list[Row], started: float, notes: list[s
     lines.append("")
     lines.append(
         "answered: whole answers and client cancels; failed clean: a status with a JSON error body in the "
-        "client's dialect, or a stream ended by its dialect's error event; cut: streams in flight on the "
-        "SIGKILLed router process itself; failed after recovery: requests sent after the first good answer (traffic "
+        "client's dialect, or a stream ended by its dialect's error event; cut: requests in flight (streaming or not yet "
+        "answered) on the SIGKILLed router process itself; failed after recovery: requests sent after the first good answer (traffic "
         f"goes on {args.after:.0f} s more) that were not answered (target 0); started: streams the client saw begin (200, with a request id), each "
         "owed exactly one ledger row; tokens differ: answered requests whose ledger output tokens are not the "
         "client's; quota: the team's token-budget counter in Redis against the ledger's tokens for the day, "
