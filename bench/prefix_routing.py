@@ -699,6 +699,8 @@ def main(argv: list[str]) -> int:
                     headers = {"Authorization": f"Bearer {key}"}
                 before = [e.counters() for e in engines]
                 cpu0 = sum(h.tree_cpu(proc.pid) for proc, _ in replicas_up)
+                host0 = h.host_cpu()
+                engines_cpu0 = sum(h.tree_cpu(e.proc.pid) for e in engines)
                 recording = args.trace_out and not policy.startswith("vllm-router")
                 trace_since = pv.trace_clock() if recording else None
                 t0 = time.monotonic()
@@ -707,6 +709,12 @@ def main(argv: list[str]) -> int:
                 )
                 elapsed = time.monotonic() - t0
                 cpu = sum(h.tree_cpu(proc.pid) for proc, _ in replicas_up) - cpu0
+                # What the host's cores gave to anything but the engines (router, client, Redis, the ingester,
+                # other work on the machine): engines that compute on these cores (vLLM-CPU) had the rest.
+                others = (h.host_cpu() - host0) - (
+                    sum(h.tree_cpu(e.proc.pid) for e in engines) - engines_cpu0
+                )
+                host_share = max(0.0, 1 - others / (elapsed * len(os.sched_getaffinity(0))))
                 time.sleep(0.3)
                 after = [e.counters() for e in engines]
                 costs = {}
@@ -719,6 +727,7 @@ def main(argv: list[str]) -> int:
                 s = summarize(results, before, after, ceil["ceiling"])
                 s["router_added_ms"] = costs.get("added_ms", float("nan"))
                 s["router_cpu_ms"] = 1000 * cpu / len(results) if results else float("nan")
+                s["host_share"] = host_share
                 s["predicted"] = costs.get("predicted", float("nan"))
                 s["reported"] = costs.get("reported", float("nan"))
                 if costs.get("lookups") or costs.get("fallbacks"):

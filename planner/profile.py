@@ -76,6 +76,25 @@ class Profile:
             return 1.0
         return 1.0 + sum(a**i for i in range(1, k + 1))
 
+    def on_share_of_host(self, share: float) -> Profile:
+        """This engine with only `share` (0 to 1] of the compute it was measured on, the rest taken by other
+        processes on the same cores (a vLLM-CPU engine beside the router and its clients): every iteration and
+        request cost divided by `share`. KV, NIXL and CPU-tier costs are left as they are."""
+        if not 0 < share <= 1:
+            raise ValueError(f"a share of the host is in (0, 1], not {share}")
+        scaled = (
+            "step_fixed_s",
+            "prefill_per_token_s",
+            "prefill_attention_s",
+            "decode_per_seq_s",
+            "decode_per_ktoken_s",
+            "request_overhead_s",
+        )
+        changes = {name: getattr(self, name) / share for name in scaled}
+        if self.prefill_fixed_s is not None:
+            changes["prefill_fixed_s"] = self.prefill_fixed_s / share
+        return self.with_(**changes)
+
     def with_(self, **changes) -> Profile:
         return Profile(**{**asdict(self), **changes})
 

@@ -73,13 +73,23 @@ def load_runs(folder: str | Path) -> list[Run]:
     return runs
 
 
-def profile_for(run: Run, profile: str | Path | None = None, router_latency: bool = False) -> Profile:
+def profile_for(
+    run: Run, profile: str | Path | None = None, router_latency: bool = False, host_share: bool = False
+) -> Profile:
     """The run's profile (the one it names unless `profile` is given) with the run's KV capacity and
     max_num_seqs; with `router_latency`, the router's own measured mean added latency in the run (its
     `router_added_latency_seconds`: parsing, tokenizing, the pick) added to the request overhead, so that a
-    request reaches its engine's scheduler as late as the real router sent it."""
+    request reaches its engine's scheduler as late as the real router sent it. With `host_share`, engines that
+    compute on the run's own cores (vLLM-CPU) get the share of those cores the run measured they had
+    (`host_share`: one less what every other process used, the router, its clients and Redis among them), where
+    the profile was measured with the cores to themselves (Profile.on_share_of_host)."""
     cfg = run.config
     base = Profile.load(profile or cfg["profile"])
+    if host_share and cfg.get("engine") == "vllm":
+        share = run.measured.get("host_share", math.nan)
+        if math.isnan(share):
+            raise ValueError(f"{run.path}: the run did not record the engines' share of the host")
+        base = base.on_share_of_host(share)
     changes = {"max_num_seqs": int(cfg["max_num_seqs"])}
     if router_latency:
         added = run.measured.get("router_added_ms", math.nan)
@@ -118,14 +128,14 @@ def figures(seqs) -> dict[str, float]:
 
 
 def simulate_run(
-    run: Run, profile: str | Path | None = None, router_latency: bool = False
+    run: Run, profile: str | Path | None = None, router_latency: bool = False, host_share: bool = False
 ) -> dict[str, float]:
     """The run replayed on the planner: the same arrivals, engines, mode, policy overrides, block size, KV
     capacity (engines' and the approximate index's) and max_num_seqs."""
     from .sim import Simulation
 
     cfg = run.config
-    prof = profile_for(run, profile, router_latency)
+    prof = profile_for(run, profile, router_latency, host_share)
     policy = dict(cfg.get("policy_overrides") or {})
     sim = Simulation(
         run.requests,
@@ -157,8 +167,10 @@ class Comparison:
         return statistics.median(values) if values else math.nan
 
 
-def compare(run: Run, profile: str | Path | None = None, router_latency: bool = False) -> Comparison:
-    simulated = simulate_run(run, profile, router_latency)
+def compare(
+    run: Run, profile: str | Path | None = None, router_latency: bool = False, host_share: bool = False
+) -> Comparison:
+    simulated = simulate_run(run, profile, router_latency, host_share)
     return Comparison(run, simulated, {k: rel_error(simulated[k], run.measured[k]) for k in FIGURES})
 
 

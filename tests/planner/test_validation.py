@@ -29,8 +29,9 @@ import sys
 
 import pytest
 
+from planner.profile import Profile
 from planner.trace import load_trace
-from planner.validate import FIGURES, compare, load_runs
+from planner.validate import FIGURES, compare, load_runs, profile_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 POLICIES = ["round_robin", "precise"]
@@ -72,6 +73,8 @@ def test_every_request_of_the_run_is_in_its_own_trace(recorded):
             seen.update(r.hash_ids)
         assert extending > len(trace) // 2
         assert record["config"]["mode"] == policy and record["config"]["kv_blocks"] == 2048
+        # The share of the host's cores left to the engines: the router, the client and Redis used some.
+        assert 0 < record["measured"]["host_share"] < 1, record["measured"]
 
 
 def test_the_planner_reproduces_the_run_within_the_bounds(recorded):
@@ -84,3 +87,26 @@ def test_the_planner_reproduces_the_run_within_the_bounds(recorded):
         for figure, bound in BOUNDS.items():
             assert c.errors[figure] <= bound, (run.label, figure, detail)
         assert c.median_error <= MEDIAN_BOUND, (run.label, detail)
+
+
+def test_the_host_share_slows_only_engines_that_compute_on_the_host(recorded):
+    """A vLLM-CPU run's engines shared their cores with the router and its clients: the planner gives them the
+    share the run measured; engine simulators (timed by sleeps, not by the host's CPU) keep their profile."""
+    out, _ = recorded
+    run = load_runs(out)[0]
+    share = run.measured["host_share"]
+    assert profile_for(run, host_share=True) == profile_for(run)
+    run.config = {**run.config, "engine": "vllm", "profile": "vllm-cpu-tiny-qwen"}
+    plain, slowed = profile_for(run), profile_for(run, host_share=True)
+    mixed = ([(2048, 4096)], 12, 30_000)
+    assert slowed.iteration_s(*mixed) == pytest.approx(plain.iteration_s(*mixed) / share)
+    assert slowed.request_overhead_s == pytest.approx(plain.request_overhead_s / share)
+    assert (slowed.kv_capacity_tokens, slowed.max_num_seqs) == (plain.kv_capacity_tokens, plain.max_num_seqs)
+    with_latency = profile_for(run, router_latency=True, host_share=True)
+    added = run.measured["router_added_ms"] / 1000
+    assert with_latency.request_overhead_s == pytest.approx(plain.request_overhead_s / share + added)
+    del run.measured["host_share"]
+    with pytest.raises(ValueError, match="share of the host"):
+        profile_for(run, host_share=True)
+    with pytest.raises(ValueError, match=r"\(0, 1\]"):
+        Profile().on_share_of_host(0)
