@@ -12,6 +12,9 @@ linear system:
   Points the engine's own TTFT timed add to that overhead what lies outside its clock: the client's time less
   the engine's (the HTTP round trip, the server's parsing and serialisation), their median.
 
+Mixed points (a prefill sent while streams decode) are not fitted: they check the model, that an iteration holding
+both costs what the two parts cost (`mixed_*_abs_error` in the summary).
+
 Decode first (its gaps hold no request overhead), then prefill with step_fixed known. Every parameter is at least 0:
 of the subsets of columns whose unconstrained fit is non-negative, the one with the least squared error wins (a
 handful of columns, so trying every subset is cheap and exact).
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import combinations
 
 from .measure import Measurements
@@ -98,6 +101,7 @@ class Fit:
     profile: Profile
     prefill_errors: list[float]  # per point: (predicted - measured) / measured
     decode_errors: list[float]
+    mixed_errors: list[float] = field(default_factory=list)
 
     def summary(self) -> dict:
         def worst(errors: list[float]) -> float:
@@ -111,7 +115,14 @@ class Fit:
             "prefill_max_abs_error": worst(self.prefill_errors),
             "decode_median_abs_error": median(self.decode_errors),
             "decode_max_abs_error": worst(self.decode_errors),
-        }
+        } | (
+            {
+                "mixed_median_abs_error": median(self.mixed_errors),
+                "mixed_max_abs_error": worst(self.mixed_errors),
+            }
+            if self.mixed_errors
+            else {}
+        )
 
 
 def fit_profile(m: Measurements, base: Profile) -> Fit:
@@ -156,7 +167,16 @@ def fit_profile(m: Measurements, base: Profile) -> Fit:
         for p in m.prefill
         for measured in [p.client_s if p.timed_by == "engine" and p.client_s is not None else p.ttft_s]
     ]
-    return Fit(profile, prefill_errors, decode_errors)
+    mixed_errors = [
+        (
+            mixed_prefill_s(profile, x.seqs, x.context, x.prompt_tokens - x.cached_tokens, x.cached_tokens)
+            - measured
+        )
+        / measured
+        for x in m.mixed
+        for measured in [x.client_s if x.timed_by == "engine" and x.client_s is not None else x.ttft_s]
+    ]
+    return Fit(profile, prefill_errors, decode_errors, mixed_errors)
 
 
 def lone_prefill_s(profile: Profile, computed: int, cached: int) -> float:
@@ -165,6 +185,20 @@ def lone_prefill_s(profile: Profile, computed: int, cached: int) -> float:
     while left > 0:
         take = min(left, profile.max_num_batched_tokens)
         t += profile.iteration_s([(take, before)], 0, 0)
+        before += take
+        left -= take
+    return t
+
+
+def mixed_prefill_s(profile: Profile, seqs: int, context: int, computed: int, cached: int) -> float:
+    """The profile's time to the first token of a request sent while `seqs` sequences of `context` tokens each
+    decode: its overhead, half a decode step (it arrives during one), then its chunks, each in an iteration
+    beside their decode tokens (which take as many of the iteration's batched tokens)."""
+    t = profile.request_overhead_s + profile.iteration_s([], seqs, seqs * context) / 2
+    before, left = cached, computed
+    while left > 0:
+        take = min(left, profile.max_num_batched_tokens - seqs)
+        t += profile.iteration_s([(take, before)], seqs, seqs * context)
         before += take
         left -= take
     return t

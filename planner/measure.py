@@ -7,6 +7,10 @@
   their prefills hardly disturb the steps), at a few prompt lengths. Timed by the engine's
   `vllm:inter_token_latency_seconds` (the mean gap over all their tokens), else by the client from the tokens'
   arrival times.
+- Mixed iterations (a check of the model, not fitted): a prefill sent while N streams decode, so that its chunks
+  share iterations with their decode steps as under load. Timed by the engine's TTFT histogram (the streams'
+  first tokens are in it before the prefill is sent), else by the client; the streams are cancelled once it is
+  answered.
 - KV capacity: vLLM's `vllm:cache_config_info` (num_gpu_blocks); an engine without it (the simulator) from
   `vllm:kv_cache_usage_perc` read while the decode streams hold a known number of blocks.
 
@@ -57,12 +61,24 @@ class DecodePoint:
 
 
 @dataclass
+class MixedPoint:
+    seqs: int  # streams decoding while the prefill runs
+    context: int  # each stream's prompt tokens
+    prompt_tokens: int  # the prefill's
+    cached_tokens: int
+    ttft_s: float  # the least of the repeats
+    timed_by: str = "engine"
+    client_s: float | None = None  # the least of the repeats by the client's clock
+
+
+@dataclass
 class Measurements:
     url: str
     model: str
     block_size: int
     prefill: list[PrefillPoint] = field(default_factory=list)
     decode: list[DecodePoint] = field(default_factory=list)
+    mixed: list[MixedPoint] = field(default_factory=list)
     kv_blocks: int | None = None
     kv_blocks_from: str = ""  # cache_config_info, or kv_cache_usage_perc
     seconds: float = 0.0
@@ -77,6 +93,7 @@ class Measurements:
                 **data,
                 "prefill": [PrefillPoint(**p) for p in data.get("prefill", [])],
                 "decode": [DecodePoint(**d) for d in data.get("decode", [])],
+                "mixed": [MixedPoint(**x) for x in data.get("mixed", [])],
             }
         )
 
@@ -96,6 +113,10 @@ class Plan:
     # A decode point's sequences hold at most this many tokens in all (None: 80 % of the KV capacity the engine
     # reports, if it does), so that they fit its cache and are not preempted while they are timed.
     decode_max_tokens: int | None = None
+    # Prefills beside decoding streams: (streams, each stream's prompt tokens, the prefill's prompt tokens, the
+    # leading ones of them cached), each the least of `repeats`. Fewer streams than the engine's max_num_seqs, so
+    # that the prefill is scheduled at once.
+    mixed: tuple[tuple[int, int, int, int], ...] = ((4, 1024, 2048, 0), (8, 1024, 2048, 1024))
 
     @classmethod
     def up_to(cls, context: int, max_num_seqs: int) -> Plan:
@@ -113,6 +134,15 @@ class Plan:
             decode_contexts=tuple(n for n in (256, 1024, 4096) if n < context) + (context,),
             decode_tokens=16,
             decode_repeats=2,
+            mixed=tuple(
+                (seqs, min(1024, context), prompt, cached)
+                for seqs in sorted({max(1, max_num_seqs // 4), max(1, max_num_seqs - 1)})
+                for prompt, cached in (
+                    (min(4096, context), 0),
+                    (context // 2 + 1024, context // 2),
+                    (context, context // 2),
+                )
+            ),
         )
 
 
@@ -146,10 +176,13 @@ class Engine:
         cached = details.get("cached_tokens")
         return elapsed, -1 if cached is None else int(cached)
 
-    async def stream(self, prompt: list[int], tokens: int) -> list[float]:
+    async def stream(
+        self, prompt: list[int], tokens: int, started: asyncio.Event | None = None
+    ) -> list[float]:
         """Stream `tokens` tokens for `prompt`: each token's arrival time (perf_counter). A chunk that carries
         several tokens (an engine's server may merge the outputs its client has not read yet) counts for each;
-        the sampled tokens' logprobs say how many there are."""
+        the sampled tokens' logprobs say how many there are. `started` is set once two tokens are in (the
+        sequence is decoding)."""
         body = {
             "model": self.model,
             "prompt": prompt,
@@ -173,6 +206,8 @@ class Engine:
                 for choice in chunk.get("choices") or []:
                     carried = len(((choice.get("logprobs") or {}).get("tokens")) or []) or 1
                     times += [now] * carried
+                if started is not None and len(times) >= 2:
+                    started.set()
                 if chunk.get("usage"):
                     usage_tokens = chunk["usage"].get("completion_tokens")
         if usage_tokens and usage_tokens != len(times) and len(times) >= 2:
@@ -264,6 +299,7 @@ class Meter:
         await self.prefill_fresh(out)
         await self.prefill_cached(out)
         await self.decode(out)
+        await self.mixed(out)
         out.kv_blocks, out.kv_blocks_from = await self.kv_capacity(out)
         out.seconds = round(time.perf_counter() - start, 1)
         return out
@@ -341,6 +377,57 @@ class Meter:
         if engine_s is None:
             return steady_gap(streams), "client"
         return engine_s, "engine"
+
+    async def mixed(self, out: Measurements) -> None:
+        for seqs, context, prompt_len, cached in self.plan.mixed:
+            length = self.decode_length(context)
+            if length is None or prompt_len + 1 > self.max_len or cached + self.bs > prompt_len:
+                continue
+            runs = [await self.mixed_run(seqs, length, prompt_len, cached) for _ in range(self.plan.repeats)]
+            timed_by = "engine" if all(by == "engine" for _, by, _, _ in runs) else "client"
+            times = [t if timed_by == "engine" else c for t, _, c, _ in runs]
+            hit = min(h if h >= 0 else cached // self.bs * self.bs for _, _, _, h in runs)
+            client = min(c for _, _, c, _ in runs)
+            out.mixed.append(MixedPoint(seqs, length, prompt_len, hit, min(times), timed_by, client))
+
+    async def mixed_run(
+        self, seqs: int, length: int, prompt_len: int, cached: int
+    ) -> tuple[float, str, float, int]:
+        """(seconds to the first token, timed by whom, by the client's clock, cached tokens reported or -1) of a
+        prefill of `prompt_len` tokens, the first `cached` of them cached beforehand, sent while `seqs` streams
+        of `length` prompt tokens decode."""
+        prefix = self.prompt(cached)
+        if cached:
+            await self.engine.complete(prefix + self.prompt(self.bs))
+        prompts = [self.prompt(length) for _ in range(seqs)]
+        for p in prompts:  # cached but for the last partial block, as for the decode points
+            await self.engine.complete(p)
+        tokens = min(4096, self.max_len - length - 1)  # more than the prefill lasts: cancelled after it
+        decoding = [asyncio.Event() for _ in prompts]
+        streams = [
+            asyncio.ensure_future(self.engine.stream(p, tokens, started=e))
+            for p, e in zip(prompts, decoding, strict=True)
+        ]
+        try:
+            async with asyncio.timeout(300):
+                for event, stream in zip(decoding, streams, strict=True):
+                    waiter = asyncio.ensure_future(event.wait())
+                    await asyncio.wait([waiter, stream], return_when=asyncio.FIRST_COMPLETED)
+                    if not event.is_set():  # the stream ended before it decoded: its error, or too short
+                        waiter.cancel()
+                        stream.result()
+                        raise RuntimeError("a decoding stream ended before the prefill was sent")
+            before = await self.engine.histogram(TTFT)
+            elapsed, hit = await self.engine.complete(prefix + self.prompt(prompt_len - cached))
+            engine_s = await self.engine.observed(TTFT, before, 1)
+        finally:
+            for stream in streams:
+                stream.cancel()
+            await asyncio.gather(*streams, return_exceptions=True)
+        await asyncio.sleep(0.2)  # the cancelled streams leave the engine
+        if engine_s is None:
+            return elapsed, "client", elapsed, hit
+        return engine_s, "engine", elapsed, hit
 
     async def kv_capacity(self, out: Measurements) -> tuple[int | None, str]:
         text = await self.engine.metrics()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from planner.fit import fit_profile, lone_prefill_s, nonnegative_lstsq
-from planner.measure import DecodePoint, Measurements, PrefillPoint
+from planner.fit import fit_profile, lone_prefill_s, mixed_prefill_s, nonnegative_lstsq
+from planner.measure import DecodePoint, Measurements, MixedPoint, PrefillPoint
 from planner.profile import Profile
 
 pytestmark = pytest.mark.unit
@@ -92,3 +92,33 @@ def test_the_time_outside_the_engines_clock_joins_the_request_overhead():
     for point in m.prefill:
         point.timed_by, point.client_s = "client", None
     assert fit_profile(m, Profile()).profile.request_overhead_s == pytest.approx(0.0, abs=1e-9)
+
+
+def test_mixed_points_check_the_model_without_moving_the_fit():
+    """Prefills timed while streams decode are set against the profile (their errors in the summary) and change
+    none of its parameters: made up from the profile they read zero, and 30 % slower they read 30 %."""
+    truth = Profile(
+        step_fixed_s=0.002,
+        prefill_per_token_s=6e-6,
+        prefill_attention_s=1.3e-5,
+        decode_per_seq_s=1e-4,
+        decode_per_ktoken_s=2e-4,
+        request_overhead_s=0.003,
+        max_num_batched_tokens=2048,
+    )
+    base = Profile(max_num_batched_tokens=2048)
+    plain = made_up(truth)
+    assert "mixed_median_abs_error" not in fit_profile(plain, base).summary()
+    points = [(8, 1024, 4096, 0), (32, 1024, 7168, 6144), (32, 1024, 12288, 6144)]
+    for slower, expected in ((1.0, 0.0), (1.3, 0.3 / 1.3)):
+        m = made_up(truth)
+        for seqs, context, prompt, cached in points:
+            took = slower * mixed_prefill_s(truth, seqs, context, prompt - cached, cached)
+            m.mixed.append(MixedPoint(seqs, context, prompt, cached, took))
+        fit = fit_profile(m, base)
+        assert fit.profile == fit_profile(plain, base).profile
+        assert fit.summary()["mixed_median_abs_error"] == pytest.approx(expected, abs=2e-3)
+    # A chunk shares the iteration's batched tokens with the decode tokens beside it: 2,048 computed tokens
+    # beside 8 decoding sequences take two iterations, alone one.
+    one = truth.iteration_s([(2048, 0)], 8, 8192)
+    assert mixed_prefill_s(truth, 8, 1024, 2048, 0) > one + truth.request_overhead_s

@@ -66,6 +66,14 @@ def test_it_fits_the_simulators_configured_timing_and_the_planner_uses_it(sim_de
     stored = json.loads(path.read_text())
     assert stored["source"].startswith("measured here")
     assert stored["measurements"]["prefill"] and stored["measurements"]["decode"]
+    # Prefills beside decoding streams, the second behind a cached prefix, checked against the fitted model.
+    mixed = stored["measurements"]["mixed"]
+    assert [(x["seqs"], x["prompt_tokens"], x["cached_tokens"]) for x in mixed] == [
+        (4, 2048, 0),
+        (8, 2048, 1024),
+    ]
+    assert all(x["ttft_s"] > 0 and x["timed_by"] == "engine" for x in mixed)
+    assert stored["fit"]["mixed_median_abs_error"] >= 0
     profile = Profile.load(path)
     assert profile.name == "profiled"
     assert profile.prefill_per_token_s == pytest.approx(PREFILL_S, rel=TOLERANCE)
@@ -116,5 +124,12 @@ def test_up_to_measures_to_the_traffics_lengths_and_refuses_past_the_models(sim_
     assert plan.prefill_lengths[-1] == 12288 and 8192 in plan.prefill_lengths
     assert plan.decode_contexts[-1] == 12288 and plan.decode_seqs[-1] == 32
     assert plan.prefix_lengths == (1024, 6144)
+    # Prefills beside a quarter of max_num_seqs and all but one decoding (the prefill is the last one admitted).
+    assert {seqs for seqs, *_ in plan.mixed} == {8, 31}
+    assert {(prompt, cached) for _, _, prompt, cached in plan.mixed} == {
+        (4096, 0),
+        (7168, 6144),
+        (12288, 6144),
+    }
     with pytest.raises(CommandError, match="not below the deployment's max_model_len"):
         call_command("profile_engine", "profiled", "--up-to", "4096")
