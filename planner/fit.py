@@ -165,7 +165,7 @@ def fit_profile(m: Measurements, base: Profile) -> Fit:
     prefill_errors = [
         (lone_prefill_s(profile, p.prompt_tokens - p.cached_tokens, p.cached_tokens) - measured) / measured
         for p in m.prefill
-        for measured in [p.client_s if p.timed_by == "engine" and p.client_s is not None else p.ttft_s]
+        for measured in [client_time(p)]
     ]
     mixed_errors = [
         (
@@ -174,31 +174,36 @@ def fit_profile(m: Measurements, base: Profile) -> Fit:
         )
         / measured
         for x in m.mixed
-        for measured in [x.client_s if x.timed_by == "engine" and x.client_s is not None else x.ttft_s]
+        for measured in [client_time(x)]
     ]
     return Fit(profile, prefill_errors, decode_errors, mixed_errors)
 
 
+def client_time(point) -> float:
+    """A prefill point's time as its client saw it (what the profile's request overhead covers): the client's clock
+    where the engine's timed the point and the client's was kept, else the one it was timed by."""
+    return point.client_s if point.timed_by == "engine" and point.client_s is not None else point.ttft_s
+
+
 def lone_prefill_s(profile: Profile, computed: int, cached: int) -> float:
     """The profile's time to the first token of a request alone on its engine: its overhead, then its chunks."""
-    t, before, left = profile.request_overhead_s, cached, computed
-    while left > 0:
-        take = min(left, profile.max_num_batched_tokens)
-        t += profile.iteration_s([(take, before)], 0, 0)
-        before += take
-        left -= take
-    return t
+    return profile.request_overhead_s + chunks_s(profile, computed, cached, 0, 0)
 
 
 def mixed_prefill_s(profile: Profile, seqs: int, context: int, computed: int, cached: int) -> float:
     """The profile's time to the first token of a request sent while `seqs` sequences of `context` tokens each
-    decode: its overhead, half a decode step (it arrives during one), then its chunks, each in an iteration
-    beside their decode tokens (which take as many of the iteration's batched tokens)."""
-    t = profile.request_overhead_s + profile.iteration_s([], seqs, seqs * context) / 2
-    before, left = cached, computed
+    decode: its overhead, half a decode step (it arrives during one), then its chunks beside their decode tokens."""
+    half_step = profile.iteration_s([], seqs, seqs * context) / 2
+    return profile.request_overhead_s + half_step + chunks_s(profile, computed, cached, seqs, seqs * context)
+
+
+def chunks_s(profile: Profile, computed: int, cached: int, seqs: int, context: int) -> float:
+    """The iterations that compute `computed` prompt tokens after `cached` ones, each beside `seqs` decoding
+    sequences reading `context` tokens in all, whose decode tokens take as many of the iteration's budget."""
+    t, before, left = 0.0, cached, computed
     while left > 0:
         take = min(left, profile.max_num_batched_tokens - seqs)
-        t += profile.iteration_s([(take, before)], seqs, seqs * context)
+        t += profile.iteration_s([(take, before)], seqs, context)
         before += take
         left -= take
     return t

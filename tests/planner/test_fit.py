@@ -11,6 +11,18 @@ from planner.profile import Profile
 pytestmark = pytest.mark.unit
 
 
+# vLLM-like: prefill iterations cost a step, requests an overhead; prompts over 2048 tokens in two chunks.
+VLLM_LIKE = Profile(
+    step_fixed_s=0.002,
+    prefill_per_token_s=6e-6,
+    prefill_attention_s=1.3e-5,
+    decode_per_seq_s=1e-4,
+    decode_per_ktoken_s=2e-4,
+    request_overhead_s=0.003,
+    max_num_batched_tokens=2048,
+)
+
+
 def made_up(truth: Profile) -> Measurements:
     m = Measurements("http://engine", "m", 128, kv_blocks=1000)
     for computed, cached in [(128, 0), (512, 0), (2048, 0), (3072, 0), (128, 1024), (1024, 2048)]:
@@ -25,16 +37,7 @@ def made_up(truth: Profile) -> Measurements:
 @pytest.mark.parametrize(
     "truth",
     [
-        # vLLM-like: prefill iterations cost a step, requests an overhead; prompts over 2048 tokens in two chunks.
-        Profile(
-            step_fixed_s=0.002,
-            prefill_per_token_s=6e-6,
-            prefill_attention_s=1.3e-5,
-            decode_per_seq_s=1e-4,
-            decode_per_ktoken_s=2e-4,
-            request_overhead_s=0.003,
-            max_num_batched_tokens=2048,
-        ),
+        VLLM_LIKE,
         # Simulator-like: a prefill costs less fixed time than a decode step.
         Profile(
             step_fixed_s=0.0095,
@@ -97,15 +100,7 @@ def test_the_time_outside_the_engines_clock_joins_the_request_overhead():
 def test_mixed_points_check_the_model_without_moving_the_fit():
     """Prefills timed while streams decode are set against the profile (their errors in the summary) and change
     none of its parameters: made up from the profile they read zero, and 30 % slower they read 30 %."""
-    truth = Profile(
-        step_fixed_s=0.002,
-        prefill_per_token_s=6e-6,
-        prefill_attention_s=1.3e-5,
-        decode_per_seq_s=1e-4,
-        decode_per_ktoken_s=2e-4,
-        request_overhead_s=0.003,
-        max_num_batched_tokens=2048,
-    )
+    truth = VLLM_LIKE
     base = Profile(max_num_batched_tokens=2048)
     plain = made_up(truth)
     assert "mixed_median_abs_error" not in fit_profile(plain, base).summary()
@@ -119,6 +114,14 @@ def test_mixed_points_check_the_model_without_moving_the_fit():
         assert fit.profile == fit_profile(plain, base).profile
         assert fit.summary()["mixed_median_abs_error"] == pytest.approx(expected, abs=2e-3)
     # A chunk shares the iteration's batched tokens with the decode tokens beside it: 2,048 computed tokens
-    # beside 8 decoding sequences take two iterations, alone one.
-    one = truth.iteration_s([(2048, 0)], 8, 8192)
-    assert mixed_prefill_s(truth, 8, 1024, 2048, 0) > one + truth.request_overhead_s
+    # beside 8 decoding sequences take two iterations (2,040 tokens, then 8), after half a decode step's wait.
+    expected = (
+        truth.request_overhead_s
+        + truth.iteration_s([], 8, 8192) / 2
+        + truth.iteration_s([(2040, 0)], 8, 8192)
+        + truth.iteration_s([(8, 2040)], 8, 8192)
+    )
+    assert mixed_prefill_s(truth, 8, 1024, 2048, 0) == pytest.approx(expected)
+    assert lone_prefill_s(truth, 2048, 0) == pytest.approx(
+        truth.request_overhead_s + truth.iteration_s([(2048, 0)], 0, 0)
+    )
