@@ -39,6 +39,19 @@ def main(argv: list[str] | None = None) -> int:
         help="the autoscaler between MIN and MAX engines (--engines: at the start)",
     )
     p.add_argument("--running-per-engine", type=int, default=32, help="with --autoscale: its target")
+    p.add_argument(
+        "--prefill-autoscale",
+        nargs=2,
+        type=int,
+        metavar=("MIN", "MAX"),
+        help="with --prefill-engines: the autoscaler over the prefill pool (--autoscale: over the decode pool)",
+    )
+    p.add_argument(
+        "--queued-per-prefill-engine",
+        type=int,
+        default=16384,
+        help="with --prefill-autoscale: its target, uncached prompt tokens queued per prefill engine",
+    )
     p.add_argument("--startup", type=float, default=60.0, help="with --autoscale: an engine's start-up (s)")
     args = p.parse_args(argv)
 
@@ -70,6 +83,21 @@ def main(argv: list[str] | None = None) -> int:
             },
             startup_s=args.startup,
         )
+    prefill_autoscale = None
+    if args.prefill_autoscale:
+        from .autoscale_sim import Autoscale
+
+        if not args.prefill_engines:
+            p.error("--prefill-autoscale needs --prefill-engines")
+        low, high = args.prefill_autoscale
+        prefill_autoscale = Autoscale(
+            policy={
+                "min_replicas": low,
+                "max_replicas": high,
+                "queued_prompt_tokens_per_replica": args.queued_per_prefill_engine,
+            },
+            startup_s=args.startup,
+        )
     requests = load_trace(args.trace, args.limit)
     if args.speed != 1.0:
         from dataclasses import replace
@@ -87,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             policy=policy,
             autoscale=autoscale,
             prefill_engines=args.prefill_engines,
+            prefill_autoscale=prefill_autoscale,
         )
         summaries.append(summarize(result))
         print(f"simulated {mode}: {summaries[-1].cpu_s:.1f} CPU s", file=sys.stderr)

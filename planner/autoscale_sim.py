@@ -1,11 +1,13 @@
 """The autoscaler on the virtual clock: serving/autoscaling.py's own rule (`recommend`, with `Signals` and `Trend`
-from its `growth`) and `stabilise`, evaluated every `interval_s` (the worker's AUTOSCALER_INTERVAL_S) on the
-simulated pool. An engine asked for is ready `startup_s` later; one let go leaves the routing at once and stops
+from its `growth`) and `stabilise`, evaluated every `interval_s` (the worker's AUTOSCALER_INTERVAL_S) on each
+simulated pool that has a policy: the aggregated pool, or a P/D deployment's decode and prefill pools, each with
+its own policy and each read as its role reads it (`role_signals`: a prefill pool by its prompt backlog and TTFT, a
+decode pool by its sequences, KV use and inter-token latency). An engine asked for is ready `startup_s` later; one let go leaves the routing at once and stops
 when it has drained (nothing running or waiting). Each engine's lifetime, start to stop, is its engine-time.
 
 What is the simulation's, because the platform's pass (`autoscale_all`) reads and writes the database and Redis:
 the signals are read from the simulated engines as `pool_signals` reads the scraped loads (running + waiting,
-mean KV use over the ready engines, the routers' uncached prompt backlog: `EndpointLoad.prefill_left`); TTFT p90
+mean KV use over the pool's ready engines, the routers' uncached prompt backlog: `EndpointLoad.prefill_left`); TTFT p90
 over the latency window from the simulated requests (the ledger's figure); the recommendations of the last
 windows and the trend's samples are kept in memory instead of Redis; the start-up time is given
 (`startup_seconds` reads the pool's recorded lifetimes). The inter-token latency p90 is the ledger's figure too
@@ -25,7 +27,15 @@ from .django_env import ensure_django
 
 ensure_django()
 
-from serving.autoscaling import TREND_WINDOW_S, Signals, Trend, growth, recommend, stabilise  # noqa: E402
+from serving.autoscaling import (  # noqa: E402
+    TREND_WINDOW_S,
+    Signals,
+    Trend,
+    growth,
+    recommend,
+    role_signals,
+    stabilise,
+)
 from serving.models import AutoscalingPolicy  # noqa: E402
 
 # The policy's thresholds and steps: its model's own fields, less the pool it belongs to and the bookkeeping.
@@ -55,11 +65,13 @@ class Autoscale:
 
 
 class Autoscaler:
-    def __init__(self, sim, spec: Autoscale | dict):
+    def __init__(self, sim, spec: Autoscale | dict, pool_id: int = 1, role: str = "both"):
         if isinstance(spec, dict):  # Autoscale's fields
             spec = Autoscale(**spec)
         self.sim = sim
         self.spec = spec
+        self.pool_id = pool_id
+        self.role = role
         self.policy = AutoscalingPolicy(
             enabled=True, **spec.policy
         )  # never saved: recommend reads its fields
@@ -69,7 +81,7 @@ class Autoscaler:
         self.samples: deque[tuple[float, Signals]] = deque()  # this pool's passes, for the trend
         self.ttfts: deque[tuple[float, float]] = deque()  # (first token at, TTFT) over the latency window
         self.itls: deque[tuple[float, float]] = deque()  # (finished at, mean inter-token gap) over the window
-        self.replicas = len(sim.engines)  # what the pool asks for: ready and starting
+        self.replicas = len(sim.pool_endpoints(pool_id))  # what the pool asks for: ready and starting
         self.timeline: list[tuple[float, int, int]] = []  # (time, replicas asked, engines ready)
 
     def first_token(self, at: float, ttft: float) -> None:
@@ -91,7 +103,7 @@ class Autoscaler:
 
     def signals(self, now: float) -> Signals:
         sim = self.sim
-        ready = [e.id for e in sim.deployment.endpoints]
+        ready = sim.pool_endpoints(self.pool_id)
         running = queued = 0.0
         kv = []
         for eid in ready:
@@ -100,15 +112,7 @@ class Autoscaler:
             kv.append(load.kv_usage)
             queued += load.prefill_left(now)
         ttft, itl = (self._p90(window, now) for window in (self.ttfts, self.itls))
-        return Signals(
-            ready=len(ready),
-            queued_prompt_tokens=queued,
-            running_requests=running,
-            kv_cache_utilization=sum(kv) / len(kv) if kv else None,
-            ttft_p90_s=ttft,
-            itl_p90_s=itl,
-            requests=len(self.ttfts),
-        )
+        return role_signals(self.role, len(ready), queued, running, kv, (ttft, itl, len(self.ttfts)))
 
     def trend(self, now: float, signals: Signals) -> Trend:
         while self.samples and now - self.samples[0][0] > TREND_WINDOW_S:
@@ -139,9 +143,9 @@ class Autoscaler:
         )
         if target > self.replicas:
             for _ in range(target - self.replicas):
-                self.sim.start_engine(now, self.spec.startup_s)
+                self.sim.start_engine(now, self.spec.startup_s, self.pool_id)
         elif target < self.replicas:
             for _ in range(self.replicas - target):
-                self.sim.drain_engine(now)
+                self.sim.drain_engine(now, self.pool_id)
         self.replicas = target
-        self.timeline.append((now, target, len(self.sim.deployment.endpoints)))
+        self.timeline.append((now, target, len(self.sim.pool_endpoints(self.pool_id))))

@@ -93,6 +93,9 @@ class Result:
     lifetimes: list[tuple[float, float]] = field(default_factory=list)
     timeline: list[tuple[float, int, int]] = field(default_factory=list)
     transfers: list[tuple[int, float]] = field(default_factory=list)  # P/D: (KV tokens moved, seconds) each
+    pool_timelines: dict[str, list[tuple[float, int, int]]] = field(
+        default_factory=dict
+    )  # role -> its passes
 
 
 def deployment_for(
@@ -168,9 +171,10 @@ class Simulation:
         autoscale=None,
         fast_index: bool = True,
         kv_both: bool = False,
+        prefill_autoscale=None,
     ):
-        if prefill_engines and autoscale is not None:
-            raise ValueError("the autoscaler is simulated for one aggregated pool only")
+        if prefill_autoscale is not None and not prefill_engines:
+            raise ValueError("prefill_autoscale scales a prefill pool: give prefill_engines")
 
         self.requests = requests
         self.profile = profile
@@ -200,6 +204,8 @@ class Simulation:
             for e in self.deployment.endpoints
         }
         self.loads = {e.id: EndpointLoad() for e in self.deployment.endpoints}
+        self._first_endpoints = self.deployment.endpoints
+        self._pool_of = {e.id: e.pool_id for e in self.deployment.endpoints}
         capacity = approx_capacity_blocks or profile.kv_blocks(block_tokens) or 4096
         self.approximate = ApproximateIndex(capacity)
         # The router's session map (routing/kvindex/prefix.py): a session's last engine, on the virtual clock.
@@ -214,15 +220,24 @@ class Simulation:
 
             self.flow = VirtualFlowControl(self.loads, self._call_at, self.clock.monotonic)
         self.keys: dict[str, KeyInfo] = {}
-        self.autoscaler = None
+        # The autoscaler of each pool that has one: `autoscale` the aggregated pool's (or, with a prefill pool, the
+        # decode pool's), `prefill_autoscale` the prefill pool's.
+        self.autoscaler = self.prefill_autoscaler = None
         self.lifetimes: dict[int, list[float]] = {eid: [0.0, -1.0] for eid in self.engines}
         self.starting: list[int] = []  # engines asked for, not ready yet
         self.draining: set[int] = set()
+        self.timeline: list[
+            tuple[float, int, int]
+        ] = []  # every pool's: (time, replicas asked, engines ready)
         self._left = len(requests)  # requests not yet finished or refused
-        if autoscale is not None:
+        if autoscale is not None or prefill_autoscale is not None:
             from .autoscale_sim import Autoscaler
 
-            self.autoscaler = Autoscaler(self, autoscale)
+            if autoscale is not None:
+                self.autoscaler = Autoscaler(self, autoscale, 1, "decode" if prefill_engines else "both")
+            if prefill_autoscale is not None:
+                self.prefill_autoscaler = Autoscaler(self, prefill_autoscale, 2, "prefill")
+        self.autoscalers = [a for a in (self.autoscaler, self.prefill_autoscaler) if a is not None]
         self.timed_out: list[TraceRequest] = []
         self.flow_waits: dict[str, list[float]] = {}
 
@@ -255,8 +270,8 @@ class Simulation:
             self._n += 1
             self._events.append((r.arrival_s, self._n, 0, r, 0))
         heapq.heapify(self._events)
-        if self.autoscaler is not None:
-            self._call_at(0.0, self._autoscale)
+        for autoscaler in self.autoscalers:
+            self._call_at(0.0, lambda a=autoscaler: self._autoscale(a))
         events = self._events
         clock = self.clock
         last = 0.0
@@ -272,13 +287,12 @@ class Simulation:
                 obj()
             else:
                 self.engines[obj.router_state.endpoint].submit(obj, at)
-        lifetimes, timeline = [], []
-        if self.autoscaler is not None:
+        lifetimes = []
+        if self.autoscalers:
             lifetimes = [(a, b if b >= 0 else last) for a, b in self.lifetimes.values()]
-            timeline = self.autoscaler.timeline
         return Result(
             self.mode,
-            len(self.deployment.endpoints) if self.autoscaler is None else len(self.engines),
+            len(self.deployment.endpoints) if not self.autoscalers else len(self.engines),
             self.profile,
             self.seqs,
             list(self.engines.values()),
@@ -288,18 +302,30 @@ class Simulation:
             self.timed_out,
             self.flow_waits,
             lifetimes,
-            timeline,
+            self.timeline,
             self.transfers,
+            {a.role: a.timeline for a in self.autoscalers},
         )
 
-    # The autoscaler's passes and what they ask for (planner/autoscale_sim.py).
-    def _autoscale(self) -> None:
+    # The autoscalers' passes and what they ask for (planner/autoscale_sim.py).
+    def _autoscale(self, autoscaler) -> None:
         if self._left <= 0:
             return
-        self.autoscaler.tick(self.clock.now)
-        self._call_at(self.clock.now + self.autoscaler.spec.interval_s, self._autoscale)
+        now = self.clock.now
+        autoscaler.tick(now)
+        # The fleet's engines at this pass: every pool's replicas asked for, and its engines ready.
+        asked = sum(a.replicas for a in self.autoscalers)
+        fixed = [
+            e for e in self.deployment.endpoints if e.pool_id not in {a.pool_id for a in self.autoscalers}
+        ]
+        self.timeline.append((now, asked + len(fixed), len(self.deployment.endpoints)))
+        self._call_at(now + autoscaler.spec.interval_s, lambda: self._autoscale(autoscaler))
 
-    def start_engine(self, now: float, startup_s: float) -> None:
+    def pool_endpoints(self, pool_id: int) -> list[int]:
+        """The ids of a pool's ready engines (1: the aggregated or decode pool, 2: the prefill pool)."""
+        return [e.id for e in self.deployment.endpoints if e.pool_id == pool_id]
+
+    def start_engine(self, now: float, startup_s: float, pool_id: int = 1) -> None:
         eid = max(self.engines) + 1
         self.engines[eid] = Engine(
             eid, self.profile, self.bt, self._schedule_step, self._first_token, self._finished, self.directory
@@ -308,30 +334,30 @@ class Simulation:
         self.picks[eid] = 0
         self.lifetimes[eid] = [now, -1.0]
         self.starting.append(eid)
+        self._pool_of[eid] = pool_id
         self._call_at(now + startup_s, lambda: self._ready(eid))
 
     def _ready(self, eid: int) -> None:
         if eid not in self.starting:  # let go while starting
             return
         self.starting.remove(eid)
-        endpoint = EndpointInfo(
-            id=eid,
-            name=f"engine-{eid - 1}",
-            url=f"sim://engine-{eid - 1}",
-            role="both",
-            pool_id=1,
-            max_num_seqs=self.profile.max_num_seqs,
-        )
+        pool_id = self._pool_of[eid]
+        like = next(e for e in self._first_endpoints if e.pool_id == pool_id)  # the pool's role and options
+        name = f"{like.name.rsplit('-', 1)[0]}-{eid - 1}"
+        endpoint = replace(like, id=eid, name=name, url=f"sim://{name}")
         self._set_endpoints((*self.deployment.endpoints, endpoint))
 
-    def drain_engine(self, now: float) -> None:
-        """Let one engine go: one still starting first; else the ready one with the fewest requests in flight
-        (the latest among equals) leaves the routing and stops once it has nothing running or waiting."""
-        if self.starting:
-            eid = self.starting.pop()
+    def drain_engine(self, now: float, pool_id: int = 1) -> None:
+        """Let one of a pool's engines go: one still starting first; else the ready one with the fewest requests
+        in flight (the latest among equals) leaves the routing and stops once it has nothing running or waiting.
+        A pool keeps one ready engine."""
+        starting = [eid for eid in self.starting if self._pool_of[eid] == pool_id]
+        if starting:
+            eid = starting[-1]
+            self.starting.remove(eid)
             self.lifetimes[eid][1] = now
             return
-        ready = [e.id for e in self.deployment.endpoints]
+        ready = self.pool_endpoints(pool_id)
         if len(ready) <= 1:
             return
         eid = min(reversed(ready), key=lambda e: self.loads[e].active)
@@ -581,8 +607,8 @@ class Simulation:
         self.loads[state.endpoint].prefill_ended(state.lane, now, True)
         if isinstance(state, PrefillLeg):
             return
-        if self.autoscaler is not None:
-            self.autoscaler.first_token(now, now - seq.request.arrival_s)
+        for autoscaler in self.autoscalers:
+            autoscaler.first_token(now, now - seq.request.arrival_s)
 
     def _finished(self, seq: Seq, now: float) -> None:
         state = seq.router_state
@@ -590,15 +616,15 @@ class Simulation:
         if seq.first_token_s < 0:  # refused before a first token
             load.prefill_ended(state.lane, now, False)
         load.end(state.weight)
+        if self.draining:
+            self._stop_if_idle(state.endpoint, now)
         if isinstance(state, PrefillLeg):
             state.decode.remote_cached = max(0, seq.cached_tokens)
             self._transfer(state.decode, state.endpoint, now)
             return
         self._left -= 1
-        if self.autoscaler is not None:
-            self.autoscaler.finished(now, seq)
-        if self.draining:
-            self._stop_if_idle(state.endpoint, now)
+        for autoscaler in self.autoscalers:
+            autoscaler.finished(now, seq)
         if state.ticket is not None:
             served = seq.first_token_s >= 0
             work = seq.request.input_tokens - seq.cached_tokens + seq.request.output_tokens if served else 0

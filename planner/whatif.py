@@ -3,8 +3,9 @@ deployment as it is (the baseline) and on a fleet with changes, beside what the 
 
 What can change (`changes`, all optional):
 
-    {"engines": {"<pool name>": 4},          engines of each prefill-and-decode pool (the simulator runs them as
-                                             one pool; split prefill/decode pools are not simulated)
+    {"engines": {"<pool name>": 4},          engines of each pool (the simulator runs a deployment's decode-side
+                                             pools, aggregated or decode, as one pool, and its prefill pools as
+                                             one prefill pool: the router's prefill/decode plans between them)
      "mode": "least_loaded",                 the routing policy's mode (its weights stay the deployment's)
      "profile": "llama-3.3-70b-h100-tp4",    the GPU type: a profile in planner/profiles/
      "gpu_price_per_hour": 3.5,              the price of one GPU-hour
@@ -12,8 +13,8 @@ What can change (`changes`, all optional):
 
 The baseline runs the deployment's pools at their replicas, its routing policy, and `baseline_profile` (by
 default the profile named after the deployment, else the simulator's measured profile for a simulated engine,
-else the illustrative one) with the pool's max_num_seqs and GPUs per replica and the configured price of its
-accelerator (portal.AcceleratorPrice) where there is one. A changed profile is taken as it is, its price too
+else the illustrative one) with the first decode-side pool's max_num_seqs and GPUs per replica and the configured
+price of its accelerator (portal.AcceleratorPrice) where there is one (one profile for every engine). A changed profile is taken as it is, its price too
 unless one is given.
 """
 
@@ -61,14 +62,20 @@ class Fleet:
     policy: dict  # the routing policy's fields but its mode
     profile: Profile
     price: float  # per GPU-hour
+    prefill_pools: frozenset[str] = frozenset()  # the pools of role prefill; the rest are decode-side
 
     @property
     def total_engines(self) -> int:
         return sum(self.engines.values())
 
+    @property
+    def prefill_engines(self) -> int:
+        return sum(n for name, n in self.engines.items() if name in self.prefill_pools)
+
     def describe(self) -> dict:
         return {
             "engines": self.engines,
+            "prefill_pools": sorted(self.prefill_pools),
             "mode": self.mode,
             "profile": self.profile.name,
             "gpus_per_engine": self.profile.gpus_per_engine,
@@ -91,18 +98,13 @@ def _number(value, field: str, low: float, high: float) -> float:
     return float(value)
 
 
-def _aggregated_pools(deployment: ModelDeployment) -> list:
-    pools = list(deployment.pools.order_by("name"))
-    split = [p.name for p in pools if p.role != PoolRole.BOTH]
-    if split:
-        raise WhatIfError(
-            {
-                "deployment": f"prefill/decode pools are not simulated yet ({', '.join(split)}); "
-                "a what-if runs deployments of prefill-and-decode pools"
-            }
-        )
+def _pools(deployment: ModelDeployment) -> list:
+    """The deployment's pools, decode-side ones (aggregated or decode) first."""
+    pools = sorted(deployment.pools.order_by("name"), key=lambda p: p.role == PoolRole.PREFILL)
     if not pools:
         raise WhatIfError({"deployment": "the deployment has no pools to simulate"})
+    if all(p.role == PoolRole.PREFILL for p in pools):
+        raise WhatIfError({"deployment": "the deployment has prefill pools only: nothing would decode"})
     return pools
 
 
@@ -148,7 +150,7 @@ def changes_clean(deployment: ModelDeployment, changes) -> dict:
             {"changes": f"unknown {', '.join(unknown)}; known: {', '.join(sorted(CHANGE_KEYS))}"}
         )
     out: dict = {}
-    pools = {p.name for p in _aggregated_pools(deployment)}
+    pools = {p.name for p in _pools(deployment)}
     if "engines" in changes:
         engines = changes["engines"]
         if not isinstance(engines, dict) or not engines:
@@ -218,8 +220,8 @@ def period_clean(deployment: ModelDeployment, since: datetime, until: datetime, 
 
 
 def baseline_fleet(deployment: ModelDeployment, profile_name: str) -> Fleet:
-    pools = _aggregated_pools(deployment)
-    first = pools[0]
+    pools = _pools(deployment)
+    first = pools[0]  # a decode-side pool
     profile = Profile.load(profile_name).with_(
         max_num_seqs=first.max_num_seqs, gpus_per_engine=max(1, first.gpus_per_replica)
     )
@@ -231,7 +233,12 @@ def baseline_fleet(deployment: ModelDeployment, profile_name: str) -> Fleet:
     fields = {f.name: getattr(policy, f.name) for f in policy_fields()} if policy else {"mode": "round_robin"}
     mode = fields.pop("mode")
     return Fleet(
-        {p.name: p.replicas for p in pools}, mode, fields, profile.with_(gpu_price_per_hour=price), price
+        {p.name: p.replicas for p in pools},
+        mode,
+        fields,
+        profile.with_(gpu_price_per_hour=price),
+        price,
+        frozenset(p.name for p in pools if p.role == PoolRole.PREFILL),
     )
 
 
@@ -248,6 +255,7 @@ def changed_fleet(baseline: Fleet, changes: dict) -> Fleet:
         baseline.policy,
         profile.with_(gpu_price_per_hour=price),
         price,
+        baseline.prefill_pools,
     )
 
 
@@ -265,13 +273,21 @@ def _plain(value):
     return value
 
 
+def fleet_clean(fleet: Fleet) -> None:
+    if fleet.total_engines - fleet.prefill_engines < 1:
+        raise WhatIfError(
+            {
+                "changes.engines": "the fleet has no engines to decode on: give an aggregated or decode pool one"
+            }
+        )
+
+
 def simulate_fleet(
     requests: list[TraceRequest], fleet: Fleet, on_progress: Callable[[float], None] | None = None
 ) -> dict:
     """The fleet's summary (planner.report.Summary as JSON). `on_progress` hears the share of requests routed,
     about fifty times over the run."""
-    if fleet.total_engines < 1:
-        raise WhatIfError({"changes.engines": "the fleet has no engines"})
+    fleet_clean(fleet)
     every = max(1, len(requests) // 50)
     routed = 0
 
@@ -282,7 +298,13 @@ def simulate_fleet(
             on_progress(routed / len(requests))
 
     result = simulate(
-        requests, fleet.total_engines, fleet.profile, fleet.mode, policy=fleet.policy, on_pick=on_pick
+        requests,
+        fleet.total_engines - fleet.prefill_engines,
+        fleet.profile,
+        fleet.mode,
+        policy=fleet.policy,
+        on_pick=on_pick,
+        prefill_engines=fleet.prefill_engines,
     )
     summary = asdict(summarize(result))
     tenants = {r.tenant for r in requests}
@@ -374,7 +396,7 @@ def whatif_create(
         default_profile(deployment) if baseline_profile in (None, "") else profile_clean(baseline_profile)
     )
     clean = changes_clean(deployment, changes)
-    baseline_fleet(deployment, profile)  # the deployment can be simulated at all
+    fleet_clean(changed_fleet(baseline_fleet(deployment, profile), clean))  # both fleets can be simulated
     period_clean(deployment, since, until, clean)
     run = WhatIfRun.objects.create(
         deployment=deployment,

@@ -72,13 +72,14 @@ class WhatIfForm(forms.Form):
         names = profile_names()
         self.fields["baseline_profile"].choices = _choices(names, "the deployment's default")
         self.fields["profile"].choices = _choices(names, "unchanged")
-        self.pools = list(Pool.objects.filter(role=PoolRole.BOTH).select_related("deployment"))
+        self.pools = list(Pool.objects.select_related("deployment").order_by("deployment__name", "name"))
         for pool in self.pools:
+            role = "" if pool.role == PoolRole.BOTH else f" ({pool.get_role_display().lower()})"
             self.fields[f"engines_{pool.pk}"] = forms.IntegerField(
                 required=False,
                 min_value=0,
                 max_value=1024,
-                label=f"{pool.deployment.name}/{pool.name} engines",
+                label=f"{pool.deployment.name}/{pool.name}{role} engines",
                 widget=forms.NumberInput(
                     attrs={"data-deployment": pool.deployment_id, "placeholder": f"{pool.replicas} now"}
                 ),
@@ -88,7 +89,7 @@ class WhatIfForm(forms.Form):
         return [self[name] for name in self.fields if not name.startswith("engines_")]
 
     def engine_fields(self) -> list:
-        """(field, deployment id) for every prefill-and-decode pool's engines."""
+        """(field, deployment id) for every pool's engines."""
         return [(self[f"engines_{p.pk}"], p.deployment_id) for p in self.pools]
 
     def changes(self) -> dict:

@@ -243,10 +243,24 @@ def pool_signals(redis, pool: Pool, latency: tuple[float | None, float | None, i
             if b"kv_usage" in engine:
                 kv.append(float(engine[b"kv_usage"]))
             queued += others_load(routers, "", now).prefill  # every replica's backlog there
+    return role_signals(pool.role, len(endpoints), queued, running, kv, latency)
+
+
+def role_signals(
+    role: str,
+    ready: int,
+    queued: float,
+    running: float,
+    kv: list[float],
+    latency: tuple[float | None, float | None, int],
+) -> Signals:
+    """A pool's signals from its ready engines' totals (`kv`: each one's KV-cache use) and the deployment's
+    latency p90s, as its role reads them: a prefill pool is held to its prompt backlog and TTFT, a decode pool to
+    its sequences, KV use and inter-token latency, an aggregated pool to all of them. (The fleet planner's
+    autoscaler reads its simulated pools through this too.)"""
     ttft, itl, requests = latency
-    role = pool.role
     return Signals(
-        ready=len(endpoints),
+        ready=ready,
         queued_prompt_tokens=queued if role != PoolRole.DECODE else 0.0,
         running_requests=running if role != PoolRole.PREFILL else 0.0,
         kv_cache_utilization=(sum(kv) / len(kv)) if kv and role != PoolRole.PREFILL else None,

@@ -186,8 +186,8 @@ def test_flow_control_refuses_past_the_class_limit():
 
 
 def test_bad_options_are_refused():
-    with pytest.raises(ValueError, match="one aggregated pool"):
-        Simulation([], 1, FAST, prefill_engines=1, autoscale={})
+    with pytest.raises(ValueError, match="prefill_autoscale scales a prefill pool"):
+        Simulation([], 1, FAST, prefill_autoscale={})
     with pytest.raises(ValueError, match="unknown autoscaling policy fields"):
         Simulation([], 1, FAST, autoscale={"policy": {"replicas": 3}})
 
@@ -370,3 +370,64 @@ def test_a_prompt_scheduled_with_its_prefix_in_the_same_iteration_finds_it_cache
     )
     assert first.cached_tokens == 0 and second.cached_tokens == 12 * 512
     assert second.admitted_s > first.admitted_s
+
+
+def test_the_autoscaler_scales_each_pool_of_a_pd_deployment_by_its_own_signals():
+    """Prefill/decode pools, each under its own policy: a prefill-heavy phase (long fresh prompts, two output
+    tokens) grows the prefill pool by its prompt backlog while the decode pool stays; a decode-heavy phase (short
+    prompts served whole on the decode engines, long answers) grows the decode pool by its running sequences while
+    the prefill pool, idle, shrinks back."""
+    from planner.autoscale_sim import Autoscale
+
+    # 19 full blocks of 512 tokens and a partial one, fresh each; then 1 full block and a partial one.
+    prefill_heavy = [
+        TraceRequest(i, i * 0.25, 10_000, 2, tuple(range(1_000_000 + 20 * i, 1_000_020 + 20 * i)))
+        for i in range(240)
+    ]  # 0-60 s
+    decode_heavy = [
+        TraceRequest(240 + i, 90 + i * 0.05, 600, 200, (2_000_000 + 2 * i, 2_000_001 + 2 * i))
+        for i in range(1200)
+    ]  # 90-150 s
+    rows = prefill_heavy + decode_heavy
+    profile = FAST.with_(max_num_seqs=16, nixl_fixed_s=0.001, nixl_per_token_s=1e-7)
+    down = {"min_replicas": 1, "max_replicas": 4, "scale_down_window_s": 20}
+    sim = Simulation(
+        rows,
+        1,
+        profile,
+        "least_loaded",
+        prefill_engines=1,
+        policy={"pd_split_threshold_tokens": 1024},
+        autoscale=Autoscale(policy={**down, "running_requests_per_replica": 8}, startup_s=10.0),
+        prefill_autoscale=Autoscale(
+            policy={**down, "queued_prompt_tokens_per_replica": 20_000}, startup_s=10.0
+        ),
+    )
+    result = sim.run()
+    summary = summarize(result)
+    assert summary.finished == len(rows)
+    assert sim.autoscaler.role == "decode" and sim.prefill_autoscaler.role == "prefill"
+    decode, prefill = result.pool_timelines["decode"], result.pool_timelines["prefill"]
+
+    def ready(timeline, start, end):
+        return [n for t, _, n in timeline if start <= t < end]
+
+    assert max(ready(prefill, 0, 70)) > 1 and max(ready(decode, 0, 70)) == 1
+    assert max(ready(decode, 90, 160)) > 1
+    assert prefill[-1][2] == 1  # the prefill pool let its engines go once idle
+    # Engines join the pool that asked for them, with its role; the prefill engines got only prefill legs.
+    roles = {e.id: e.role for e in sim.deployment.endpoints}
+    assert {roles.get(eid) for eid in sim.pool_endpoints(2)} == {"prefill"}
+    for eid, pool in sim._pool_of.items():
+        engine = sim.engines[eid]
+        if pool == 2:
+            assert all(s.request.output_tokens == 1 for s in [*engine.running, *engine.waiting])
+    served_by_prefill = {s.router_state.endpoint for s in result.seqs} & {
+        eid for eid, pool in sim._pool_of.items() if pool == 2
+    }
+    assert not served_by_prefill  # every request's decode ran on the decode pool
+    assert len([eid for eid, pool in sim._pool_of.items() if pool == 2]) > 1
+    # Every engine counted for its lifetime, both pools; the fleet's timeline sums them.
+    assert len(result.lifetimes) == len(sim.engines)
+    assert summary.engine_hours == pytest.approx(sum(b - a for a, b in result.lifetimes) / 3600)
+    assert result.timeline and all(n >= 2 for _, _, n in result.timeline)  # each pool keeps one ready

@@ -291,14 +291,36 @@ def test_bad_input_is_a_400_that_names_the_field(world, client_for, make, field)
     assert not WhatIfRun.objects.exists()
 
 
-def test_a_deployment_with_split_pools_is_refused(world, client_for):
+def test_a_deployment_with_prefill_and_decode_pools_is_simulated_as_such(world, client_for):
+    """A prefill pool beside the decode-side pool: both fleets run it as a prefill pool (the router's P/D plans
+    move each long prompt's KV from it), its engines change like any pool's, and a fleet left nothing to decode on
+    is refused at once."""
+    from planner.whatif import baseline_fleet, changed_fleet, simulate_fleet
+    from planner.whatif_traffic import recorded_trace
     from serving.models import Pool
 
     period = record_traffic(world)
-    Pool.objects.create(deployment=world.deployment, name="pre", role="prefill", kv_connector="NixlConnector")
-    response = client_for(world.operator).post(API, body(world, period), format="json")
+    Pool.objects.create(
+        deployment=world.deployment, name="pre", role="prefill", replicas=1, kv_connector="NixlConnector"
+    )
+    client = client_for(world.operator)
+    response = client.post(API, body(world, period, engines={"main": 0, "pre": 2}), format="json")
     assert response.status_code == 400
-    assert "prefill/decode pools are not simulated" in response.json()["deployment"]
+    assert "no engines to decode on" in response.json()["changes.engines"]
+    assert client.post(API, body(world, period, engines={"pre": 2}), format="json").status_code == 201
+
+    baseline = baseline_fleet(world.deployment, "sim-bench")
+    changed = changed_fleet(baseline, {"engines": {"pre": 3}})
+    assert (baseline.prefill_engines, baseline.total_engines) == (1, 3)
+    assert (changed.prefill_engines, changed.total_engines) == (3, 5)
+    trace = recorded_trace(deployment_id=world.deployment.pk, since=period["since"], until=period["until"])
+    before = simulate_fleet(trace.requests, baseline)
+    assert before["fleet"]["prefill_pools"] == ["pre"]
+    # Every prompt here is over the split threshold (1,024 uncached tokens) on its first turn: it was prefilled
+    # on the prefill pool and its KV moved to a decode engine.
+    assert before["transfers"] >= 2 * SESSIONS
+    assert before["finished"] == len(trace.requests)
+    assert simulate_fleet(trace.requests, changed)["engines"] == 5
 
 
 # --- who may ------------------------------------------------------------------------------------------------
