@@ -70,34 +70,24 @@ def main(argv: list[str] | None = None) -> int:
     policy: dict = {"flow_control": args.flow_control}
     if args.max_wait is not None:
         policy.update({f"max_wait_{c}_s": args.max_wait for c in ("interactive", "standard", "batch")})
-    autoscale = None
-    if args.autoscale:
+    if args.prefill_autoscale and not args.prefill_engines:
+        p.error("--prefill-autoscale needs --prefill-engines")
+
+    def autoscaled(bounds, target: str, value: int):
+        """The autoscaler between (MIN, MAX) engines held to one target, or None without bounds."""
+        if not bounds:
+            return None
         from .autoscale_sim import Autoscale
 
-        low, high = args.autoscale
-        autoscale = Autoscale(
-            policy={
-                "min_replicas": low,
-                "max_replicas": high,
-                "running_requests_per_replica": args.running_per_engine,
-            },
-            startup_s=args.startup,
+        low, high = bounds
+        return Autoscale(
+            policy={"min_replicas": low, "max_replicas": high, target: value}, startup_s=args.startup
         )
-    prefill_autoscale = None
-    if args.prefill_autoscale:
-        from .autoscale_sim import Autoscale
 
-        if not args.prefill_engines:
-            p.error("--prefill-autoscale needs --prefill-engines")
-        low, high = args.prefill_autoscale
-        prefill_autoscale = Autoscale(
-            policy={
-                "min_replicas": low,
-                "max_replicas": high,
-                "queued_prompt_tokens_per_replica": args.queued_per_prefill_engine,
-            },
-            startup_s=args.startup,
-        )
+    autoscale = autoscaled(args.autoscale, "running_requests_per_replica", args.running_per_engine)
+    prefill_autoscale = autoscaled(
+        args.prefill_autoscale, "queued_prompt_tokens_per_replica", args.queued_per_prefill_engine
+    )
     requests = load_trace(args.trace, args.limit)
     if args.speed != 1.0:
         from dataclasses import replace

@@ -217,3 +217,32 @@ def test_report_per_tenant_and_cost():
     assert summary.gpu_hours == pytest.approx(2 * summary.engine_hours)
     assert summary.cost == pytest.approx(summary.gpu_hours * 4.0)
     assert summary.ttft_p50 > 0 and summary.itl_p50 > 0
+
+
+def test_the_command_line_runs_pd_pools_under_their_autoscalers(tmp_path, capsys):
+    """`python -m planner` with a prefill pool, each pool under its autoscaler; --prefill-autoscale alone is an
+    error that says what it needs."""
+    import json
+
+    from planner.__main__ import main
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(
+        "".join(
+            json.dumps(
+                {"timestamp": i * 50, "input_length": 4000, "output_length": 20, "hash_ids": [i, i + 1000]}
+            )
+            + "\n"
+            for i in range(200)
+        )
+    )
+    args = ["--trace", str(trace), "--engines", "1", "--profile", "sim-bench", "--startup", "2"]
+    assert (
+        main([*args, "--prefill-engines", "1", "--autoscale", "1", "3", "--prefill-autoscale", "1", "3"]) == 0
+    )
+    out = capsys.readouterr().out
+    assert "| requests finished | 200/200 |" in out
+    assert "| engines ready (fewest-most) | 2-" in out
+    with pytest.raises(SystemExit):
+        main([*args, "--prefill-autoscale", "1", "3"])
+    assert "--prefill-autoscale needs --prefill-engines" in capsys.readouterr().err
