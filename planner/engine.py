@@ -16,6 +16,13 @@ in the iteration of the prompt's first chunk, instead of being computed. A block
 Speculative decoding (`spec_draft_tokens`, `spec_acceptance`): each decode step gains the expected tokens
 (Profile.tokens_per_step), kept as a fraction per sequence so that no token is lost or counted twice.
 
+Decoding without speculation is counted for the engine, not for each sequence: every running sequence past its
+prefill gains one token a step, so a decoding sequence's output is the engine's step count less a base fixed when
+it began to decode (`Seq.dbase`), written back when it stops (finished or preempted). The decoders' context, the
+tenants' token counts and the next step at which one finishes or needs a block are kept as totals and heaps as
+sequences begin and stop decoding, so an iteration costs the same with 4 decoders or 400 (a pass over each one
+every iteration was two fifths of a large simulation's time).
+
 The fleet's directory (`directory`, shared by the engines of a simulation): block -> the engines holding it in
 either tier (a bit mask of engine ids), kept as blocks enter and leave; the precise index walks it once along a
 prompt instead of asking every engine.
@@ -25,6 +32,7 @@ Over 400 lines (a little): the cache's tiers, the directory and the scheduler sh
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -80,6 +88,9 @@ class Seq:
     remote_cached: int = -1  # P/D: the prompt tokens its prefill leg found cached on the prefill engine
     full_at: int = 0  # the output tokens at which its blocks are full (blocks x block size, less the prompt)
     unique: bool = True  # its blocks are distinct (set by __post_init__), as chained block ids are
+    order: int = 0  # its place in the running order (set at each admission; later admitted, higher)
+    decoding: bool = False  # past its prefill, running (the engine's decode count holds its output meanwhile)
+    dbase: int = 0  # while decoding without speculation: its output tokens less the engine's step count
 
     def __post_init__(self) -> None:
         self.unique = len(set(self.blocks)) == len(self.blocks)
@@ -131,7 +142,8 @@ class Engine:
         self._dt = 0.0
         self._steps = 0
         self._chunks: list[tuple[Seq, int]] = []
-        self._decoders: list[Seq] = []
+        self._decoders: list[Seq] | tuple = []  # without the count (speculative decoding)
+        self._n_decoders = 0
         self.preemptions = 0
         self.rejected = 0
         self.evictions = 0
@@ -139,6 +151,18 @@ class Engine:
             str, list[tuple[float, int]]
         ] = {}  # tenant -> (inter-token gap, tokens), per iteration
         self.peak_resident = 0
+        self._admitted = 0  # sequences admitted so far (Seq.order)
+        # Decoding counted for the engine (without speculation; see the module's docstring): the steps taken,
+        # the sequences decoding (the first `n_dec` running), the sum of their prompts and bases, their count by
+        # tenant, and heaps of (step count at which one finishes / would need a block, order, sequence), whose
+        # entries for sequences that stopped decoding or got a block are skipped when met.
+        self.counted = self.step_tokens == 1.0
+        self.decode_steps = 0
+        self.n_dec = 0
+        self._dec_base = 0
+        self._dec_tenants: dict[str, int] = {}
+        self._finish_at: list[tuple[int, int, Seq]] = []
+        self._full_at: list[tuple[int, int, Seq]] = []
 
     # The prefix cache, as the KV events report it.
     def held(self, blocks: tuple[int, ...] | list[int]) -> int:
@@ -380,6 +404,8 @@ class Engine:
 
     def _preempt_one(self) -> Seq:
         victim = self.running.pop()
+        if victim.decoding:
+            self._stop_decoding(victim)
         self._release(victim)
         victim.computed = 0
         victim.load_due = 0
@@ -387,6 +413,66 @@ class Engine:
         self.preemptions += 1
         self.waiting.appendleft(victim)
         return victim
+
+    # Decoding counted for the engine.
+    def _start_decoding(self, s: Seq) -> None:
+        """`s` has sampled its first token after its prefill: it decodes from the next iteration on."""
+        s.decoding = True
+        self.n_dec += 1
+        if not self.counted:
+            return
+        s.dbase = base = s.generated - self.decode_steps
+        self._dec_base += s.request.input_tokens + base
+        tenant = s.request.tenant
+        self._dec_tenants[tenant] = self._dec_tenants.get(tenant, 0) + 1
+        heapq.heappush(self._finish_at, (s.request.output_tokens - base, s.order, s))
+        heapq.heappush(self._full_at, (s.full_at - base, s.order, s))
+
+    def _stop_decoding(self, s: Seq) -> None:
+        """`s` finished or was preempted: its output written back."""
+        s.decoding = False
+        self.n_dec -= 1
+        if not self.counted:
+            return
+        s.generated = s.dbase + self.decode_steps
+        self._dec_base -= s.request.input_tokens + s.dbase
+        self._dec_tenants[s.request.tenant] -= 1
+
+    @staticmethod
+    def _top(heap: list[tuple[int, int, Seq]], full: bool) -> int | None:
+        """The earliest step of a heap whose entry is current (its sequence decoding in the same admission,
+        and for `full`, with the blocks it had), stale ones dropped; None when empty."""
+        while heap:
+            at, order, s = heap[0]
+            if s.decoding and s.order == order and (not full or at == s.full_at - s.dbase):
+                return at
+            heapq.heappop(heap)
+        return None
+
+    def _give_blocks_counted(self) -> bool:
+        """Each decoding sequence that would pass its last block in the next step gets one more, in the running
+        order, preempting from the end of the running ones where none is free (as the scan in `_begin` does
+        without the count); True if one was preempted."""
+        heap, reach = self._full_at, self.decode_steps + self.step_room
+        needy = []
+        while (at := self._top(heap, True)) is not None and at < reach:
+            needy.append(heapq.heappop(heap)[2])
+        preempted = False
+        for s in sorted(needy, key=lambda q: q.order):
+            while s.decoding and s.full_at - s.dbase < reach:
+                while not self._room(1):
+                    preempted = True
+                    if self._preempt_one() is s:
+                        break
+                if not s.decoding:
+                    break  # it was preempted, the last one
+                s.private += 1
+                s.full_at += self.bt
+                self.private_total += 1
+                self._track()
+            if s.decoding:
+                heapq.heappush(heap, (s.full_at - s.dbase, s.order, s))
+        return preempted
 
     # Scheduling.
     def submit(self, seq: Seq, now: float) -> None:
@@ -415,7 +501,11 @@ class Engine:
         running, bt, step_room = self.running, self.bt, self.step_room
         i = context = 0
         preempted = False
-        while i < len(running):
+        if self.counted:
+            preempted = self._give_blocks_counted()
+            i = self.n_dec
+            context = self._dec_base + i * self.decode_steps
+        while not self.counted and i < len(running):
             # The decoding ones with room for their next token, in one run (most of them, most iterations).
             for s in islice(running, i, None):
                 if s.target != s.computed or s.generated + step_room > s.full_at:
@@ -439,8 +529,8 @@ class Engine:
             s.full_at += bt
             self.private_total += 1
             self._track()
-        decoders = running[:i]
-        budget = p.max_num_batched_tokens - len(decoders)
+        decoders = running[:i] if not self.counted else ()
+        budget = p.max_num_batched_tokens - i
         chunks: list[tuple[Seq, int]] = []
         for s in running[i:]:
             if budget <= 0:
@@ -465,6 +555,8 @@ class Engine:
                     continue
                 break
             running.append(waiting.popleft())
+            self._admitted += 1
+            s.order = self._admitted
             take = min(s.target - s.computed, budget)
             chunks.append((s, take))
             self._cache_scheduled(s, take)
@@ -473,19 +565,20 @@ class Engine:
             self.busy = False
             return
         rate = self.step_tokens
-        if chunks or not decoders:
+        if chunks or not i:
             steps = 1
-            dt = p.iteration_s([(take, s.computed) for s, take in chunks], len(decoders), context)
+            dt = p.iteration_s([(take, s.computed) for s, take in chunks], i, context)
             # Blocks loaded from the CPU tier are paid for in the iteration of the prompt's next chunk.
             for s, _ in chunks:
                 if s.load_due:
                     dt += s.load_due * p.cpu_tier_load_per_token_s
                     s.load_due = 0
-        elif rate == 1.0:
-            steps = min(min(s.request.output_tokens, s.full_at) - s.generated for s in decoders)
-            steps = max(1, steps)
+        elif self.counted:
+            # Until the first decoder finishes or fills its blocks.
+            ends = min(self._top(self._finish_at, False), self._top(self._full_at, True))
+            steps = max(1, ends - self.decode_steps)
             # The context grows by one token a sequence a step: the run's step time is its middle step's.
-            dt = p.iteration_s([], len(decoders), context + len(decoders) * (steps - 1) // 2)
+            dt = p.iteration_s([], i, context + i * (steps - 1) // 2)
         else:
             steps = min(
                 math.ceil((s.request.output_tokens - s.generated - s.spec_frac) / rate) for s in decoders
@@ -498,7 +591,7 @@ class Engine:
             dt = p.iteration_s([], len(decoders), context + int(len(decoders) * rate * (steps - 1) / 2))
         self.busy = True
         self._start, self._dt, self._steps = now, dt, steps
-        self._chunks, self._decoders = chunks, decoders
+        self._chunks, self._decoders, self._n_decoders = chunks, decoders, i
         self.gen += 1
         self._schedule(now + steps * dt, self, self.gen)
 
@@ -507,7 +600,19 @@ class Engine:
             return
         steps, dt = self._steps, self._dt
         self.busy_s += steps * dt
-        # Only the sequences of this iteration can finish in it: those whose prefill ended, the decoders.
+        # Only the sequences of this iteration can finish in it: the decoders, those whose prefill ended.
+        done_decoding: list[Seq] = []
+        if self._n_decoders and self.counted:
+            self.decode_steps += steps
+            for t, n in self._dec_tenants.items():
+                if n:
+                    self.itl.setdefault(t, []).append((dt, n * steps))
+            heap, now_at = self._finish_at, self.decode_steps
+            while (at := self._top(heap, False)) is not None and at <= now_at:
+                done_decoding.append(heapq.heappop(heap)[2])
+            done_decoding.sort(key=lambda q: q.order)
+        elif self._decoders:
+            done_decoding = self._decode_each(steps, dt)
         ended: list[Seq] = []
         for s, take in self._chunks:
             s.computed += take
@@ -519,37 +624,14 @@ class Engine:
                     self._on_first_token(s, now)
                 if s.generated >= s.request.output_tokens:
                     ended.append(s)
-        decoders = self._decoders
-        if decoders:
-            per_tenant: dict[str, int] = {}
-            rate = self.step_tokens
-            done_decoding: list[Seq] = []
-            if rate == 1.0:
-                for s in decoders:
-                    r = s.request
-                    s.generated += steps
-                    per_tenant[r.tenant] = per_tenant.get(r.tenant, 0) + steps
-                    if s.generated >= r.output_tokens:
-                        done_decoding.append(s)
-            else:
-                for s in decoders:
-                    r = s.request
-                    total = s.spec_frac + steps * rate
-                    gained = min(int(total), r.output_tokens - s.generated)
-                    s.spec_frac = total - int(total) if gained == int(total) else 0.0
-                    s.generated += gained
-                    per_tenant[r.tenant] = per_tenant.get(r.tenant, 0) + gained
-                    if s.generated >= r.output_tokens:
-                        done_decoding.append(s)
-            gap = dt / rate  # the mean gap between its tokens (they come `rate` at a time)
-            for t, n in per_tenant.items():
-                self.itl.setdefault(t, []).append((gap, n))
-            if ended and done_decoding:  # both: in the running order, as each list is
-                either = {*ended, *done_decoding}
-                ended = [s for s in self.running if s in either]
-            else:
-                ended = ended or done_decoding
-        finished = ended
+                else:
+                    self._start_decoding(s)
+        for s in done_decoding:
+            self._stop_decoding(s)
+        if ended and done_decoding:  # both: in the running order, as each list is
+            finished = sorted([*ended, *done_decoding], key=lambda q: q.order)
+        else:
+            finished = ended or done_decoding
         if finished:
             done = set(finished)
             self.running = [s for s in self.running if s not in done]
@@ -557,5 +639,25 @@ class Engine:
                 s.finished_s = now
                 self._release(s)
                 self._on_finish(s, now)
-        self._chunks, self._decoders = [], []
+        self._chunks, self._decoders, self._n_decoders = [], [], 0
         self._begin(now)
+
+    def _decode_each(self, steps: int, dt: float) -> list[Seq]:
+        """The decoders' steps one sequence at a time (speculative decoding: each keeps its fraction of a
+        token): the tokens each gained, those that finished."""
+        per_tenant: dict[str, int] = {}
+        rate = self.step_tokens
+        done_decoding: list[Seq] = []
+        for s in self._decoders:
+            r = s.request
+            total = s.spec_frac + steps * rate
+            gained = min(int(total), r.output_tokens - s.generated)
+            s.spec_frac = total - int(total) if gained == int(total) else 0.0
+            s.generated += gained
+            per_tenant[r.tenant] = per_tenant.get(r.tenant, 0) + gained
+            if s.generated >= r.output_tokens:
+                done_decoding.append(s)
+        gap = dt / rate  # the mean gap between its tokens (they come `rate` at a time)
+        for t, n in per_tenant.items():
+            self.itl.setdefault(t, []).append((gap, n))
+        return done_decoding

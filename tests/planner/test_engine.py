@@ -9,6 +9,7 @@ import pytest
 
 from planner.engine import Engine, _take_oldest
 from planner.profile import Profile
+from planner.trace import TraceRequest
 
 pytestmark = pytest.mark.unit
 
@@ -71,3 +72,41 @@ def test_take_oldest_removes_and_returns_the_least_recent_first():
     lru.move_to_end(3)
     assert _take_oldest(lru, 2) == [5, 9]
     assert list(lru) == [1, 3]
+
+
+@pytest.mark.parametrize("kv_tokens", [40_000, 400_000])
+def test_decoding_counted_for_the_engine_matches_decoding_each_sequence(kv_tokens):
+    """The engine-wide decode count (without speculation) against the pass over each decoding sequence that
+    speculative decoding takes (`counted` off): the same tokens, timings, preemptions, blocks and inter-token
+    gaps, request by request, with the cache tight enough to preempt and with room to spare."""
+    from planner.sim import Simulation
+
+    rng = random.Random(11)
+    rows, fresh = [], 10_000
+    for i in range(400):
+        shared = list(range(1 + rng.randrange(4) * 10, 1 + rng.randrange(4) * 10 + rng.randint(2, 12)))
+        blocks = (*shared, *range(fresh, fresh + rng.randint(1, 20)))
+        fresh += 25
+        rows.append(
+            TraceRequest(
+                i, i * 0.01, len(blocks) * 512 + 37, rng.choice([1, 2, 30, 2000]), blocks, f"t{i % 3}"
+            )
+        )
+    profile = Profile(name="test", kv_capacity_tokens=kv_tokens, max_num_seqs=24, decode_per_seq_s=5e-4)
+
+    def run(counted: bool):
+        sim = Simulation(rows, 3, profile, "precise")
+        for e in sim.engines.values():
+            e.counted = counted
+        result = sim.run()
+        seqs = sorted(result.seqs, key=lambda s: s.request.index)
+        per_seq = [(s.first_token_s, s.finished_s, s.generated, s.preemptions, s.cached_tokens) for s in seqs]
+        engines = [(e.preemptions, e.evictions, e.busy_s, e.peak_resident, e.itl) for e in result.engine_objs]
+        return per_seq, engines
+
+    counted, each = run(True), run(False)
+    assert counted == each
+    per_seq, engines = counted
+    assert all(generated == r.output_tokens for (_, _, generated, _, _), r in zip(per_seq, rows, strict=True))
+    if kv_tokens < 100_000:
+        assert sum(e[0] for e in engines) > 0  # it preempted
