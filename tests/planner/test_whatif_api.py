@@ -169,6 +169,7 @@ def test_a_run_goes_from_recorded_traffic_through_the_worker_to_its_result(world
     before, after = result["baseline"], result["changed"]
     assert before["fleet"] == {
         "engines": {"main": 2},
+        "prefill_pools": [],
         "mode": "precise",
         "profile": "sim-bench",
         "gpus_per_engine": 1,

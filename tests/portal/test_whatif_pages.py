@@ -116,6 +116,27 @@ def test_starting_a_run_shows_its_progress_then_its_result(world):
     assert f'href="{PAGE}{run.pk}/"' in client.get(PAGE).content.decode()
 
 
+def test_a_deployment_with_a_prefill_pool_is_planned_with_it(world):
+    """The form offers a prefill pool's engines beside the decode side's, and the result names it."""
+    from serving.models import Pool
+
+    period = record_traffic(world)
+    pre = Pool.objects.create(
+        deployment=world.deployment, name="pre", role="prefill", replicas=1, kv_connector="NixlConnector"
+    )
+    client = signed_in(world.operator)
+    assert f"{world.deployment.name}/pre (prefill) engines" in client.get(PAGE).content.decode()
+    response = client.post(PAGE, form(world, period, **{f"engines_{pre.pk}": 2}))
+    assert response.status_code == 302, response.content.decode()[:3000]
+    run = WhatIfRun.objects.get()
+    assert run.changes == {"engines": {"pre": 2}}
+    assert run_what_if(run.pk) == "succeeded"
+    run.refresh_from_db()
+    assert run.result["baseline"]["transfers"] > 0  # the long prompts were prefilled on the prefill pool
+    html = client.get(f"{PAGE}{run.pk}/").content.decode()
+    assert "pre (prefill): 1" in html and "pre (prefill): 2" in html and "main: 2" in html
+
+
 def test_a_failed_run_shows_why(world):
     period = record_traffic(world)
     run = WhatIfRun.objects.create(
