@@ -43,7 +43,9 @@ def test_it_scales_up_under_load_and_down_when_idle(live_engines):
         max_model_len=2048,
     )
     pool = Pool.objects.create(
-        deployment=deployment, name="main", replicas=1, extra_engine_args=["--decode-time", "0.05"]
+        # Streams of 24 s (120 tokens at 0.2 s): long enough to outlast two engines' start-up on a slow,
+        # busy machine (at 0.05 s a token they once ended first, and the pool never reached three).
+        deployment=deployment, name="main", replicas=1, extra_engine_args=["--decode-time", "0.2"]
     )
     AutoscalingPolicy.objects.create(
         pool=pool,
@@ -74,7 +76,7 @@ def test_it_scales_up_under_load_and_down_when_idle(live_engines):
         assert path[0] == 1 and path[-1] == 3 and path == sorted(set(path)), path
         assert ups[-1].signals["running_requests"] >= 5 and "running_requests_per_replica" in ups[-1].reason
         for thread in threads:
-            thread.join(timeout=60)
+            thread.join(timeout=90)
         assert results == [(200, 120, True)] * 6
 
         # Idle: back to one replica, one step at a time, each drained before it stops.
