@@ -45,7 +45,10 @@ def test_it_scales_up_under_load_and_down_when_idle(live_engines):
     pool = Pool.objects.create(
         # Streams of 24 s (120 tokens at 0.2 s): long enough to outlast two engines' start-up on a slow,
         # busy machine (at 0.05 s a token they once ended first, and the pool never reached three).
-        deployment=deployment, name="main", replicas=1, extra_engine_args=["--decode-time", "0.2"]
+        deployment=deployment,
+        name="main",
+        replicas=1,
+        extra_engine_args=["--decode-time", "0.2"],
     )
     AutoscalingPolicy.objects.create(
         pool=pool,
