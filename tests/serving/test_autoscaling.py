@@ -14,6 +14,7 @@ from serving.autoscaling import (
     autoscale_all,
     growth,
     recommend,
+    role_signals,
     stabilise,
 )
 from serving.models import (
@@ -109,6 +110,35 @@ def test_a_missed_latency_objective_raises_and_a_close_one_holds():
     assert recommend(p, 4, close, Trend(), 0).replicas == 4  # within 80 % of the objective: held
     missed = Signals(ready=4, running_requests=10, itl_p90_s=0.075)
     assert recommend(p, 4, missed, Trend(), 0).replicas == 6  # 4 x 1.5
+
+
+@pytest.mark.parametrize(
+    "role, kept",
+    [
+        ("prefill", {"queued_prompt_tokens", "ttft_p90_s"}),
+        ("decode", {"running_requests", "kv_cache_utilization", "itl_p90_s"}),
+        (
+            "both",
+            {"queued_prompt_tokens", "ttft_p90_s", "running_requests", "kv_cache_utilization", "itl_p90_s"},
+        ),
+    ],
+)
+def test_a_pool_reads_the_signals_of_its_role(role, kept):
+    """What the worker's pass and the fleet planner's autoscaler both read a pool by: a prefill pool its prompt
+    backlog and TTFT, a decode pool its sequences, KV use and inter-token latency, an aggregated pool all."""
+    signals = role_signals(role, 2, 9000.0, 7.0, [0.5, 0.7], (1.5, 0.04, 30))
+    measured = {
+        "queued_prompt_tokens": 9000.0,
+        "ttft_p90_s": 1.5,
+        "running_requests": 7.0,
+        "kv_cache_utilization": pytest.approx(0.6),
+        "itl_p90_s": 0.04,
+    }
+    empty = {"queued_prompt_tokens": 0.0, "running_requests": 0.0}
+    for name, value in measured.items():
+        assert getattr(signals, name) == (value if name in kept else empty.get(name))
+    assert (signals.ready, signals.requests) == (2, 30)
+    assert role_signals(role, 0, 0.0, 0.0, [], (None, None, 0)).kv_cache_utilization is None
 
 
 def test_bounds_and_steps():
