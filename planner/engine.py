@@ -51,6 +51,20 @@ def _drain(iterator) -> None:
     deque(iterator, maxlen=0)
 
 
+def _mask_enter(masks: dict[int, int] | None, hs: list[int], bit: int) -> None:
+    """The engine of `bit` now holds blocks `hs` (in a directory: block -> a mask of its holders)."""
+    if masks is not None and hs:
+        masks.update(zip(hs, map(or_, map(masks.get, hs, repeat(0)), repeat(bit)), strict=True))
+
+
+def _mask_leave(masks: dict[int, int] | None, hs: list[int], bit: int) -> None:
+    """It no longer holds them; a block no one holds leaves the directory."""
+    if masks is not None and hs:
+        holders = list(map(and_, map(masks.__getitem__, hs), repeat(~bit)))
+        masks.update(zip(hs, holders, strict=True))
+        _drain(map(masks.__delitem__, compress(hs, map(not_, holders))))
+
+
 def _take_oldest(lru: OrderedDict, k: int) -> list[int]:
     """Remove the `k` oldest keys of an LRU, returned oldest first: read off the front, then deleted (C-level passes,
     not a popitem call each)."""
@@ -114,6 +128,7 @@ class Engine:
         on_first_token: Callable[[Seq, float], None],
         on_finish: Callable[[Seq, float], None],
         directory: dict[int, int] | None = None,
+        cpu_directory: dict[int, int] | None = None,
     ):
         self.id = engine_id
         self.profile = profile
@@ -127,6 +142,9 @@ class Engine:
         self.cpu: OrderedDict[int, None] = OrderedDict()  # the CPU tier, least recently evicted first
         self.cpu_capacity = profile.cpu_tier_tokens // block_tokens if profile.cpu_tier_tokens > 0 else 0
         self.directory = directory
+        # The same for the CPU tier alone (with CPU tiers in the fleet): which of the engines holding a block hold it
+        # there, so the precise index's walk tells the tiers apart without a pass over each engine's blocks.
+        self.cpu_directory = cpu_directory if self.cpu_capacity else None
         self.bit = 1 << engine_id  # its bit in the directory's masks
         self.cpu_hits = 0  # blocks loaded from the CPU tier
         self.step_tokens = profile.tokens_per_step()
@@ -169,9 +187,11 @@ class Engine:
         """The prompt's leading blocks the GPU cache holds."""
         return len(list(takewhile(self.ref.__contains__, blocks)))
 
-    def held_tiers(self, blocks: tuple[int, ...] | list[int], start: int = 0) -> tuple[int, int]:
+    def held_tiers(
+        self, blocks: tuple[int, ...] | list[int], start: int = 0, start_cpu: int | None = None
+    ) -> tuple[int, int]:
         """(GPU, CPU): the prompt's leading blocks held in either tier, by tier (as the index counts them), the
-        first `start` known to be held."""
+        first `start` known to be held (`start_cpu` of them in the CPU tier, where known)."""
         ref, cpu = self.ref, self.cpu
         rest = blocks[start:]
         on_gpu = len(list(takewhile(ref.__contains__, rest)))
@@ -181,7 +201,10 @@ class Engine:
         # evicted first). Walked as two runs, one lookup a block; the tiers hold no block in common.
         in_cpu = len(list(takewhile(cpu.__contains__, rest[on_gpu:])))
         n = start + on_gpu + in_cpu
-        gpu = on_gpu + (sum(map(ref.__contains__, blocks[:start])) if start else 0)
+        if start_cpu is not None:
+            gpu = on_gpu + start - start_cpu
+        else:
+            gpu = on_gpu + (sum(map(ref.__contains__, blocks[:start])) if start else 0)
         if n < len(blocks) and blocks[n] in ref:
             # GPU blocks again past the CPU run: the rest walked with both tiers asked.
             tail = blocks[n:]
@@ -201,18 +224,15 @@ class Engine:
             directory[h] = directory.get(h, 0) | self.bit
 
     def _enter_all(self, hs: list[int]) -> None:
-        directory = self.directory
-        if directory is not None and hs:
-            directory.update(
-                zip(hs, map(or_, map(directory.get, hs, repeat(0)), repeat(self.bit)), strict=True)
-            )
+        _mask_enter(self.directory, hs, self.bit)
 
     def _leave_all(self, hs: list[int]) -> None:
-        directory = self.directory
-        if directory is not None and hs:
-            holders = list(map(and_, map(directory.__getitem__, hs), repeat(~self.bit)))
-            directory.update(zip(hs, holders, strict=True))
-            _drain(map(directory.__delitem__, compress(hs, map(not_, holders))))
+        _mask_leave(self.directory, hs, self.bit)
+
+    def _cpu_leave(self, hs: list[int]) -> None:
+        """Blocks leave the CPU tier (loaded back, computed again, or dropped)."""
+        _drain(map(self.cpu.__delitem__, hs))
+        _mask_leave(self.cpu_directory, hs, self.bit)
 
     def _to_cpu(self, evicted: list[int]) -> None:
         """Blocks evicted from the GPU cache, in order: into the CPU tier if there is one (its least recently
@@ -222,9 +242,12 @@ class Engine:
             return
         cpu = self.cpu
         cpu.update(zip(evicted, repeat(None)))
+        _mask_enter(self.cpu_directory, evicted, self.bit)
         over = len(cpu) - self.cpu_capacity
         if over > 0:
-            self._leave_all(_take_oldest(cpu, over))
+            dropped = _take_oldest(cpu, over)
+            _mask_leave(self.cpu_directory, dropped, self.bit)
+            self._leave_all(dropped)
 
     def resident(self) -> int:
         return len(self.ref) + self.private_total
@@ -257,7 +280,7 @@ class Engine:
             if h in self.free_lru:
                 del self.free_lru[h]
             elif h in self.cpu:  # computed again while a copy waited in the CPU tier: the GPU's is the one
-                del self.cpu[h]
+                self._cpu_leave([h])
             else:
                 self._enter(h)
         self.ref[h] = count + 1
@@ -312,7 +335,7 @@ class Engine:
             if cpu:
                 waited = list(filter(cpu.__contains__, unused))
                 if waited:
-                    _drain(map(cpu.__delitem__, waited))
+                    self._cpu_leave(waited)
                     unused = list(compress(unused, map(not_, map(set(waited).__contains__, unused))))
             self._enter_all(unused)
         ref.update(zip(hs, map(add, counts, repeat(1)), strict=True))
@@ -351,7 +374,7 @@ class Engine:
         self._pin_computed(pulled, seq.unique)
         # The CPU tier's blocks leave it before room is made, so that the blocks the room pushes there do not
         # push them out.
-        _drain(map(cpu.__delitem__, from_cpu))
+        self._cpu_leave(from_cpu)
         self._room(need + len(from_cpu))
         for h in from_cpu:
             self.ref[h] = 1

@@ -191,6 +191,8 @@ class Simulation:
         self._n = 0
         self.fast_index = fast_index
         self.directory: dict[int, int] = {}  # block -> a mask of the engines holding it (either tier)
+        self._on_gpu: dict[int, Held] = {}  # held_fast's answers for engines without a CPU tier, by count
+        self.cpu_directory: dict[int, int] = {}  # block -> a mask of the engines holding it in their CPU tier
         self.engines = {
             e.id: Engine(
                 e.id,
@@ -200,6 +202,7 @@ class Simulation:
                 self._first_token,
                 self._finished,
                 self.directory,
+                self.cpu_directory,
             )
             for e in self.deployment.endpoints
         }
@@ -328,7 +331,14 @@ class Simulation:
     def start_engine(self, now: float, startup_s: float, pool_id: int = 1) -> None:
         eid = max(self.engines) + 1
         self.engines[eid] = Engine(
-            eid, self.profile, self.bt, self._schedule_step, self._first_token, self._finished, self.directory
+            eid,
+            self.profile,
+            self.bt,
+            self._schedule_step,
+            self._first_token,
+            self._finished,
+            self.directory,
+            self.cpu_directory,
         )
         self.loads[eid] = EndpointLoad()
         self.picks[eid] = 0
@@ -424,37 +434,52 @@ class Simulation:
     def held_fast(self, keys: list[int]) -> dict[int, Held]:
         """One walk along the prompt through the directory, as the index's walk goes: the engines holding the
         first block, each until the first block it lacks (one mask test per block while all still hold it);
-        once one engine is left, along its own cache."""
-        directory = self.directory
+        once one engine is left, along its own cache. With CPU tiers, the CPU directory's mask of each block
+        counts the engines holding it there, so the tiers come out of the same walk."""
+        directory, in_cpu = self.directory, self.cpu_directory if self.profile.cpu_tier_tokens > 0 else None
         alive = directory.get(keys[0], 0) if keys else 0  # a mask of engine ids
         counts: dict[int, int] = {}
-        i, n = 1, len(keys)
+        cpus: dict[int, int] = {}  # engine -> how many of its leading blocks so far are in its CPU tier
+        tiers: dict[int, tuple[int, int]] = {}  # the engine the walk ended along its own cache: (GPU, CPU)
+        i, n = 0, len(keys)
         while alive:
-            if not alive & (alive - 1):  # one engine left
-                eid = alive.bit_length() - 1
-                gpu, cpu = self.engines[eid].held_tiers(keys, i)
-                counts[eid] = gpu + cpu
-                alive = 0
-                break
-            if i == n:
-                break
-            still = alive & directory.get(keys[i], 0)
-            if still != alive:
-                for eid in engine_ids(alive & ~still):
-                    counts[eid] = i
-                alive = still
+            if i:
+                if not alive & (alive - 1):  # one engine left
+                    eid = alive.bit_length() - 1
+                    known = None if in_cpu is None else cpus.get(eid, 0)
+                    gpu, cpu = tiers[eid] = self.engines[eid].held_tiers(keys, i, known)
+                    counts[eid] = gpu + cpu
+                    alive = 0
+                    break
+                if i == n:
+                    break
+                still = alive & directory.get(keys[i], 0)
+                if still != alive:
+                    for eid in engine_ids(alive & ~still):
+                        counts[eid] = i
+                    alive = still
+            if in_cpu is not None and alive:
+                there = alive & in_cpu.get(keys[i], 0)
+                if there:
+                    for eid in engine_ids(there):
+                        cpus[eid] = cpus.get(eid, 0) + 1
             i += 1
         for eid in engine_ids(alive):
             counts[eid] = i
         held = {}
+        on_gpu = self._on_gpu  # Held is frozen: one a count, shared
         for eid in sorted(counts):
-            engine = self.engines[eid]
             c = counts[eid]
-            if engine.cpu:
-                gpu, cpu = engine.held_tiers(keys[:c], c)
-                held[eid] = Held(gpu=gpu, cpu=cpu)
+            if eid in tiers:
+                gpu, cpu = tiers[eid]
+            elif in_cpu is None:
+                gpu, cpu = c, 0
             else:
-                held[eid] = Held(gpu=c)
+                cpu = cpus.get(eid, 0)
+                gpu = c - cpu
+            held[eid] = (
+                (on_gpu.get(c) or on_gpu.setdefault(c, Held(gpu=c))) if not cpu else Held(gpu=gpu, cpu=cpu)
+            )
         return held
 
     def _key(self, r: TraceRequest) -> KeyInfo:

@@ -7,7 +7,7 @@ import math
 import time
 from collections import OrderedDict, deque
 from functools import partial
-from itertools import compress, filterfalse, islice, repeat, takewhile
+from itertools import compress, islice, repeat, takewhile
 from operator import is_, not_
 
 _is_none = partial(is_, None)
@@ -104,11 +104,13 @@ class ApproximateIndex:
         """The keys sent to `endpoint` now, in prompt order: the most recently sent, each keeping one place."""
         now = time.monotonic() if now is None else now
         lru = self._lru.setdefault(endpoint, OrderedDict())
-        # The new ones in, then every one to the end in the prompt's order, then the time: C-level passes.
-        fresh = list(filterfalse(lru.__contains__, keys))
-        lru.update(zip(fresh, repeat(now)))
-        deque(map(lru.move_to_end, keys), maxlen=0)
+        # The time of each (the new ones join the end, in the prompt's order, so they are read off the end), then
+        # every one to the end in the prompt's order: C-level passes.
+        before = len(lru)
         lru.update(zip(keys, repeat(now)))
+        added = len(lru) - before
+        fresh = list(islice(reversed(lru), added))[::-1] if added else []
+        deque(map(lru.move_to_end, keys), maxlen=0)
         _enter_all(self._where, fresh, endpoint)
         excess = len(lru) - self.capacity
         if excess > 0:

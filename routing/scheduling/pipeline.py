@@ -12,8 +12,10 @@ run: filters, then scorers, then steps, then the policy's weights combine the sc
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from operator import mul
 from typing import TYPE_CHECKING, Protocol
 
@@ -52,7 +54,7 @@ class RequestContext:
     now: float = field(default_factory=time.monotonic)
 
 
-@dataclass
+@dataclass(slots=True)
 class Candidate:
     endpoint: EndpointInfo
     load: EndpointLoad
@@ -232,8 +234,11 @@ class Pipeline:
             return None, []
         scores = [c.scores for c in candidates]
         for key, scorer in plan.scorers:
-            for mine, value in zip(scores, scorer.score(ctx, candidates, policy), strict=True):
-                mine[key] = value
+            values = list(scorer.score(ctx, candidates, policy))
+            if len(values) != len(scores):
+                raise ValueError(f"scorer {key!r} gave {len(values)} scores for {len(scores)} candidates")
+            # Each candidate's score set under `key` (map: no Python-level loop a candidate).
+            deque(map(dict.__setitem__, scores, repeat(key), values), maxlen=0)
         choice = Choice(deployment, ctx, candidates, plan.affinity)
         if len(candidates) > 1:
             for step in plan.steps:

@@ -59,6 +59,13 @@ def test_the_fast_precise_index_equals_asking_every_engine(cpu_tier_tokens):
             e.id for e in sim.engines.values() if block in e.ref or block in e.cpu
         }
     assert all(block in sim.directory for e in sim.engines.values() for block in [*e.ref, *e.cpu])
+    # And the CPU directory is exactly their CPU tiers (the fast walk reads the tiers from it).
+    assert {block: set(engine_ids(holders)) for block, holders in sim.cpu_directory.items()} == {
+        block: {e.id for e in sim.engines.values() if block in e.cpu}
+        for e in sim.engines.values()
+        for block in e.cpu
+    }
+    assert bool(sim.cpu_directory) == bool(cpu_tier_tokens)
     # And a whole run is the same either way.
     runs = [simulate(rows, 5, profile, "precise", fast_index=fast) for fast in (True, False)]
     a, b = ([(s.request.index, s.cached_tokens, s.first_token_s, s.finished_s) for s in r.seqs] for r in runs)

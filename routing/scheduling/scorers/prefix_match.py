@@ -29,14 +29,9 @@ class PrecisePrefixScorer:
     what most candidates hold, weighted by tier: a block in GPU memory counts fully, one in CPU memory less."""
 
     def score(self, ctx, candidates, policy):
-        held = []
-        for c in candidates:
-            h = ctx.held.get(c.endpoint.id)
-            held.append(
-                0.0
-                if h is None
-                else (h.gpu + h.speculative) * policy.gpu_tier_weight + h.cpu * policy.cpu_tier_weight
-            )
+        found = map(ctx.held.get, [c.endpoint.id for c in candidates])
+        gpu, cpu = policy.gpu_tier_weight, policy.cpu_tier_weight
+        held = [0.0 if h is None else (h.gpu + h.speculative) * gpu + h.cpu * cpu for h in found]
         return distinct_shares(held, ctx.block_count)
 
 
