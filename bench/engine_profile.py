@@ -10,15 +10,23 @@ the machine in the benchmark:
 
     .venv/bin/python -m bench.engine_profile --engine-kind vllm [--engines 2] [--up-to 12288] [--output FILE]
     .venv/bin/python -m bench.engine_profile --engine-kind simulator
+
+`--busy-neighbours N` keeps N streams going on each other engine while the first is measured (fresh 4,096-token
+prompts, 128 tokens out each, one after another), as the routing benchmark's engines compute side by side on
+the machine's cores; without it they stand idle.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import random
 import sys
+import threading
 
 from bench import harness as h
 from bench import prefix_routing as pr
+from planner.measure import Engine as EngineApi
 from planner.measure import Plan
 from planner.profile import Profile
 from planner.profile_engine import profile_engine, write_profile
@@ -34,6 +42,12 @@ def main(argv: list[str]) -> int:
         "--up-to", type=int, default=12288, help="vLLM: the longest context measured, in tokens (12288)"
     )
     p.add_argument("--output", default=None, help="where to write it (default planner/profiles/NAME.json)")
+    p.add_argument(
+        "--busy-neighbours",
+        type=int,
+        default=0,
+        help="streams kept going on each other engine while the first is measured (0: they stand idle)",
+    )
     args = p.parse_args(argv)
     vllm = args.engine_kind == "vllm"
     max_num_seqs = int(pr.SIM_TIMING["--max-num-seqs"])
@@ -44,6 +58,10 @@ def main(argv: list[str]) -> int:
         for engine in engines:
             engine.wait()
         h.log(f"{len(engines)} {args.engine_kind} engines up; measuring {engines[0].url}")
+        if args.busy_neighbours > 0 and len(engines) > 1:
+            busy = Neighbours([e.url for e in engines[1:]], pr.MODEL, args.busy_neighbours)
+            procs.before_stop(busy.stop)
+            h.log(f"{args.busy_neighbours} streams kept going on each of {len(engines) - 1} other engines")
         base = Profile(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=pr.VLLM_MAX_NUM_BATCHED_TOKENS,
@@ -64,8 +82,13 @@ def main(argv: list[str]) -> int:
                 f"--num-gpu-blocks-override {engines[0].kv_blocks} --max-model-len {pr.VLLM_MAX_MODEL_LEN} "
                 f"--max-num-seqs {max_num_seqs} --max-num-batched-tokens {pr.VLLM_MAX_NUM_BATCHED_TOKENS} "
                 f"--dtype {pr.vllm_dtype()}, one "
-                f"OpenMP core each, nice 10), {len(engines)} engines up, measured to {args.up_to} tokens by "
-                "bench/engine_profile.py"
+                f"OpenMP core each, nice 10), {len(engines)} engines up"
+                + (
+                    f" (each other one kept busy with {args.busy_neighbours} streams of fresh 4,096-token prompts)"
+                    if args.busy_neighbours > 0 and len(engines) > 1
+                    else ""
+                )
+                + f", measured to {args.up_to} tokens by bench/engine_profile.py"
                 if vllm
                 else "the simulator (python -m simulator, models/tiny-qwen) as bench/prefix_routing.py starts it, "
                 f"with the routing benchmarks' flags ({flags} --num-gpu-blocks-override {engines[0].kv_blocks}), "
@@ -75,6 +98,44 @@ def main(argv: list[str]) -> int:
     h.log(f"fit: {document['fit']}")
     print(write_profile(document, args.output))
     return 0
+
+
+class Neighbours:
+    """Streams kept going on other engines from a thread of their own, until stop()."""
+
+    PROMPT_TOKENS = 4096
+    OUTPUT_TOKENS = 128
+
+    def __init__(self, urls: list[str], model: str, streams: int):
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(
+            target=lambda: asyncio.run(self._run(urls, model, streams)), name="busy-neighbours", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._thread.join(timeout=60)
+
+    async def _run(self, urls: list[str], model: str, streams: int) -> None:
+        apis = [EngineApi(url, model) for url in urls]
+        try:
+            pool = await apis[0].token_pool()
+            rng = random.Random(1)
+
+            async def keep_busy(api: EngineApi) -> None:
+                while not self._stopping.is_set():
+                    prompt = [rng.choice(pool) for _ in range(self.PROMPT_TOKENS)]  # fresh: nothing cached
+                    try:
+                        await api.stream(prompt, self.OUTPUT_TOKENS)
+                    except Exception as exc:  # noqa: BLE001 - the load goes on; the measurement is what counts
+                        h.log(f"neighbour stream failed: {exc}")
+                        await asyncio.sleep(1.0)
+
+            await asyncio.gather(*(keep_busy(api) for api in apis for _ in range(streams)))
+        finally:
+            for api in apis:
+                await api.close()
 
 
 if __name__ == "__main__":
