@@ -155,6 +155,11 @@ def engine_ids(mask: int) -> list[int]:
     return ids
 
 
+def _count_of(digits: list[int], eid: int) -> int:
+    """An engine's count from bit-sliced counters (digit k: a mask of the engines whose count has bit k)."""
+    return sum(((digit >> eid) & 1) << k for k, digit in enumerate(digits))
+
+
 class Simulation:
     def __init__(
         self,
@@ -439,14 +444,16 @@ class Simulation:
         directory, in_cpu = self.directory, self.cpu_directory if self.profile.cpu_tier_tokens > 0 else None
         alive = directory.get(keys[0], 0) if keys else 0  # a mask of engine ids
         counts: dict[int, int] = {}
-        cpus: dict[int, int] = {}  # engine -> how many of its leading blocks so far are in its CPU tier
+        # Per engine, how many of its leading blocks so far are in its CPU tier: counters kept bit-sliced (digit k
+        # of every engine's count in one mask), so a block adds its mask to all of them in a few integer ops.
+        digits: list[int] = []
         tiers: dict[int, tuple[int, int]] = {}  # the engine the walk ended along its own cache: (GPU, CPU)
         i, n = 0, len(keys)
         while alive:
             if i:
                 if not alive & (alive - 1):  # one engine left
                     eid = alive.bit_length() - 1
-                    known = None if in_cpu is None else cpus.get(eid, 0)
+                    known = None if in_cpu is None else _count_of(digits, eid)
                     gpu, cpu = tiers[eid] = self.engines[eid].held_tiers(keys, i, known)
                     counts[eid] = gpu + cpu
                     alive = 0
@@ -459,23 +466,30 @@ class Simulation:
                         counts[eid] = i
                     alive = still
             if in_cpu is not None and alive:
-                there = alive & in_cpu.get(keys[i], 0)
-                if there:
-                    for eid in engine_ids(there):
-                        cpus[eid] = cpus.get(eid, 0) + 1
+                carry = alive & in_cpu.get(keys[i], 0)
+                k = 0
+                while carry:  # add the block's mask to the counters, digit by digit
+                    if k == len(digits):
+                        digits.append(carry)
+                        break
+                    digits[k], carry = digits[k] ^ carry, digits[k] & carry
+                    k += 1
             i += 1
         for eid in engine_ids(alive):
             counts[eid] = i
         held = {}
         on_gpu = self._on_gpu  # Held is frozen: one a count, shared
+        some_cpu = 0  # the engines with any leading block in the CPU tier
+        for digit in digits:
+            some_cpu |= digit
         for eid in sorted(counts):
             c = counts[eid]
             if eid in tiers:
                 gpu, cpu = tiers[eid]
-            elif in_cpu is None:
+            elif not (some_cpu >> eid) & 1:
                 gpu, cpu = c, 0
             else:
-                cpu = cpus.get(eid, 0)
+                cpu = _count_of(digits, eid)
                 gpu = c - cpu
             held[eid] = (
                 (on_gpu.get(c) or on_gpu.setdefault(c, Held(gpu=c))) if not cpu else Held(gpu=gpu, cpu=cpu)
