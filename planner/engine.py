@@ -218,11 +218,6 @@ class Engine:
     # The fleet's directory: an engine enters a block when it first holds it in either tier, leaves it when it
     # holds it in neither. Holders are a bit mask of engine ids (bit 1 << id): ints, not a set per block, so that
     # a prompt's blocks enter and leave in C-level passes that allocate no containers.
-    def _enter(self, h: int) -> None:
-        directory = self.directory
-        if directory is not None:
-            directory[h] = directory.get(h, 0) | self.bit
-
     def _enter_all(self, hs: list[int]) -> None:
         _mask_enter(self.directory, hs, self.bit)
 
@@ -282,7 +277,7 @@ class Engine:
             elif h in self.cpu:  # computed again while a copy waited in the CPU tier: the GPU's is the one
                 self._cpu_leave([h])
             else:
-                self._enter(h)
+                self._enter_all([h])
         self.ref[h] = count + 1
 
     def _unpin(self, h: int) -> None:
