@@ -24,6 +24,7 @@ import random
 import sys
 import threading
 import time
+from urllib.parse import urlsplit
 
 import msgpack
 import redis
@@ -153,7 +154,8 @@ def main(argv: list[str]) -> int:
     import django
 
     django.setup()
-    client = redis.Redis.from_url(os.environ["REDIS_URL"], db=15)
+    # database 15 named in the URL: a `db=` argument to from_url loses to the URL's own (redis://host:port/0)
+    client = redis.Redis.from_url(urlsplit(os.environ["REDIS_URL"])._replace(path="/15").geturl())
     print(
         f"{'blocks/batch':>12} {'path':>7} {'batches':>8} {'blocks':>8} {'wall s':>7} {'blocks/s':>9} {'cpu s':>6} {'blocks/cpu-s':>12}"
     )

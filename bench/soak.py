@@ -24,7 +24,8 @@ At each window's end it reads:
   over the requests that ended in it;
 - Redis's used memory, and of it the token-id pieces routers share (`tok:*`, which live
   ROUTER_SHARED_TOKENS_TTL_SECONDS after their last use, six hours by default): their payload (the ids' bytes) and
-  their keys' overhead (Redis's MEMORY USAGE of each key less its payload);
+  their keys' overhead (Redis's MEMORY USAGE of each key less its payload, and the keys' share of the database's key
+  tables); the median of five readings half a second apart, as what requests in flight hold comes and goes;
 - the prefix index's size (its GPU and CPU entries, `px:*`, speculative ones left out) against the engines' cached
   blocks, which only the engines' own KV events tell (vLLM exports no such metric): a subscriber of its own in this
   process, apart from the ingester, keeps each engine's set of blocks from its BlockStored, BlockRemoved and
@@ -202,6 +203,40 @@ def shared_token_bytes(client) -> tuple[int, int, int]:
     return keys, payload, memory
 
 
+def tok_tables_share(client, tok_keys: int) -> int:
+    """The shared token pieces' share of their database's key tables (the main one and the one of keys with a TTL,
+    pro rata by keys): what each key costs Redis beyond MEMORY USAGE, which counts the key and its value only."""
+    db = client.connection_pool.connection_kwargs.get("db", 0)
+    tables = client.memory_stats().get(f"db.{db}") or {}
+    space = client.info("keyspace").get(f"db{db}") or {}
+    keys, expiring = int(space.get("keys", 0)), int(space.get("expires", 0))
+    main = int(tables.get("overhead.hashtable.main", 0))
+    expires = int(tables.get("overhead.hashtable.expires", 0))
+    return (main * tok_keys // keys if keys else 0) + (expires * tok_keys // expiring if expiring else 0)
+
+
+REDIS_READS = 5  # at each window's end, this many readings REDIS_READ_GAP s apart; the median one is kept
+REDIS_READ_GAP = 0.5
+
+
+def redis_reading(client) -> tuple[int, int, int, int]:
+    """Redis's used memory and the shared token pieces' (count, payload, memory with their share of the key tables),
+    as the median of REDIS_READS readings by used memory less the pieces: what requests in flight hold for a moment
+    (speculative index entries, the usage stream's unacknowledged tail, client buffers) comes and goes with each
+    request, and one reading alone can land on a crest of it."""
+    readings = []
+    for k in range(REDIS_READS):
+        if k:
+            time.sleep(REDIS_READ_GAP)
+        keys, payload, memory = shared_token_bytes(client)
+        memory += tok_tables_share(client, keys)
+        used = int(client.info("memory")["used_memory"])
+        readings.append((used - memory, used, keys, payload, memory))
+    readings.sort()
+    _, used, keys, payload, memory = readings[len(readings) // 2]
+    return used, keys, payload, memory
+
+
 # --- the ledger, as it fills ------------------------------------------------------------------------------
 
 
@@ -348,8 +383,7 @@ def sample(t: float, measured: list[Measured], client, deployment_id: int, block
     before = sum(blocks.counts().values())
     index = sum(index_entries(client, deployment_id).values())
     after = sum(blocks.counts().values())
-    used = int(client.info("memory")["used_memory"])
-    tok_keys, tok_bytes, tok_memory = shared_token_bytes(client)
+    used, tok_keys, tok_bytes, tok_memory = redis_reading(client)
     from django.conf import settings
 
     try:

@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -107,6 +108,36 @@ def test_the_engines_blocks_follow_their_events_and_an_engine_restart():
     blocks.apply(7, 6, [{"type": "BlockStored", "block_hashes": [4]}])
     blocks.apply(7, 0, [{"type": "BlockStored", "block_hashes": [5]}])  # back to 0: the engine restarted
     assert blocks.counts() == {7: 1} and blocks.restarts == 1
+
+
+def test_redis_is_read_with_the_token_pieces_share_of_the_key_tables_and_the_median_reading(monkeypatch):
+    """On the suite's Redis (database 14, flushed): the pieces' count and payload are exact, their memory holds their
+    keys, values and share of the key tables, and the reading kept is one of those taken."""
+    import redis
+    from django.conf import settings
+
+    # the URL's own database wins over a `db=` argument to from_url: name database 14 in the URL
+    client = redis.Redis.from_url(urlsplit(settings.REDIS_URL)._replace(path="/14").geturl())
+    client.flushdb()
+    try:
+        for k in range(300):
+            client.set(f"tok:{k}", b"\x01" * (800 + k), ex=600)
+        for k in range(100):
+            client.set(f"px:1:{k}", b"x")  # no TTL: in the main table only
+        keys, payload, memory = soak.shared_token_bytes(client)
+        assert (keys, payload) == (300, sum(800 + k for k in range(300))) and memory > payload
+        share = soak.tok_tables_share(client, keys)
+        tables = client.memory_stats()["db.14"]
+        assert 0 < share < tables["overhead.hashtable.main"] + tables["overhead.hashtable.expires"]
+        assert (
+            share > tables["overhead.hashtable.expires"] - 1
+        )  # every expiring key is a piece: all of that table
+        monkeypatch.setattr(soak, "REDIS_READ_GAP", 0.01)
+        used, keys, payload, held = soak.redis_reading(client)
+        assert (keys, payload) == (300, sum(800 + k for k in range(300)))
+        assert held == memory + share and used > held
+    finally:
+        client.flushdb()
 
 
 def test_three_minutes_of_agent_traffic_keep_memory_flat_with_no_error_and_the_index_on_the_engines(tmp_path):
