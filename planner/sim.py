@@ -449,32 +449,31 @@ class Simulation:
         digits: list[int] = []
         tiers: dict[int, tuple[int, int]] = {}  # the engine the walk ended along its own cache: (GPU, CPU)
         i, n = 0, len(keys)
-        while alive:
-            if i:
-                if not alive & (alive - 1):  # one engine left
-                    eid = alive.bit_length() - 1
-                    known = None if in_cpu is None else _count_of(digits, eid)
-                    gpu, cpu = tiers[eid] = self.engines[eid].held_tiers(keys, i, known)
-                    counts[eid] = gpu + cpu
-                    alive = 0
-                    break
-                if i == n:
-                    break
-                still = alive & directory.get(keys[i], 0)
-                if still != alive:
-                    for eid in engine_ids(alive & ~still):
-                        counts[eid] = i
-                    alive = still
-            if in_cpu is not None and alive:
+        while alive:  # every engine in `alive` holds blocks 0..i
+            if in_cpu is not None:
                 carry = alive & in_cpu.get(keys[i], 0)
                 k = 0
-                while carry:  # add the block's mask to the counters, digit by digit
+                while carry:  # add block i's mask to the counters, digit by digit
                     if k == len(digits):
                         digits.append(carry)
                         break
                     digits[k], carry = digits[k] ^ carry, digits[k] & carry
                     k += 1
             i += 1
+            if not alive & (alive - 1):  # one engine left
+                eid = alive.bit_length() - 1
+                known = None if in_cpu is None else _count_of(digits, eid)
+                gpu, cpu = tiers[eid] = self.engines[eid].held_tiers(keys, i, known)
+                counts[eid] = gpu + cpu
+                alive = 0
+                break
+            if i == n:
+                break
+            still = alive & directory.get(keys[i], 0)
+            if still != alive:
+                for eid in engine_ids(alive & ~still):
+                    counts[eid] = i
+                alive = still
         for eid in engine_ids(alive):
             counts[eid] = i
         held = {}
