@@ -24,13 +24,14 @@ import random
 import sys
 import threading
 import time
-from urllib.parse import urlsplit
 
 import msgpack
 import redis
 import zmq
 
 from bench import harness as h
+
+BENCH_REDIS_DB = 15
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "inference_platform.settings")
 
@@ -154,8 +155,8 @@ def main(argv: list[str]) -> int:
     import django
 
     django.setup()
-    # database 15 named in the URL: a `db=` argument to from_url loses to the URL's own (redis://host:port/0)
-    client = redis.Redis.from_url(urlsplit(os.environ["REDIS_URL"])._replace(path="/15").geturl())
+    # named in the URL: a `db=` argument to from_url loses to the URL's own database (redis://host:port/0)
+    client = redis.Redis.from_url(h.with_path(os.environ["REDIS_URL"], f"/{BENCH_REDIS_DB}"))
     print(
         f"{'blocks/batch':>12} {'path':>7} {'batches':>8} {'blocks':>8} {'wall s':>7} {'blocks/s':>9} {'cpu s':>6} {'blocks/cpu-s':>12}"
     )

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from planner.fit import fit_profile, lone_prefill_s, mixed_prefill_s, nonnegative_lstsq
-from planner.measure import DecodePoint, Measurements, Meter, MixedPoint, Plan, PrefillPoint
+from planner.measure import DecodePoint, Measurements, MixedPoint, Plan, PrefillPoint
 from planner.profile import Profile
 
 pytestmark = pytest.mark.unit
@@ -129,31 +127,9 @@ def test_mixed_points_check_the_model_without_moving_the_fit():
     )
 
 
-class _Repeats:
-    """An engine whose TTFT histogram moves by the next of `times` on each request (what the Meter reads)."""
-
-    def __init__(self, times: list[float]):
-        self.times, self.sum, self.count = list(times), 0.0, 0
-
-    async def histogram(self, name: str) -> tuple[float, float]:
-        return self.sum, float(self.count)
-
-    async def complete(self, prompt: list[int]) -> tuple[float, int]:
-        took = self.times.pop(0)
-        self.sum, self.count = self.sum + took, self.count + 1
-        return took + 0.01, 0
-
-    async def observed(self, name: str, before, count: int) -> float:
-        return (self.sum - before[0]) / count
-
-
-@pytest.mark.parametrize(("pick", "expected"), [("least", 0.1), ("median", 0.3)])
-def test_a_points_repeats_make_the_least_on_a_quiet_machine_and_the_median_beside_busy_engines(
-    pick, expected
-):
-    meter = Meter(_Repeats([0.5, 0.1, 0.3]), 128, 4096, Plan(pick=pick, repeats=3))
-    point = asyncio.run(meter.prefill_point([[1] * 256] * 3, 0))
-    assert point.ttft_s == pytest.approx(expected) and point.timed_by == "engine"
-    assert point.client_s == pytest.approx(expected + 0.01)
+def test_a_points_repeats_make_the_least_on_a_quiet_machine_and_the_median_beside_busy_engines():
+    runs = [0.5, 0.1, 0.3]
+    assert Plan().typical(runs) == 0.1
+    assert Plan(pick="median").typical(runs) == 0.3
     with pytest.raises(ValueError, match="pick must be one of"):
         Plan(pick="mean")

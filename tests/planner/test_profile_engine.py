@@ -133,3 +133,21 @@ def test_up_to_measures_to_the_traffics_lengths_and_refuses_past_the_models(sim_
     }
     with pytest.raises(CommandError, match="not below the deployment's max_model_len"):
         call_command("profile_engine", "profiled", "--up-to", "4096")
+
+
+def test_a_median_plan_measures_a_real_engine_as_the_least_does(sim_deployment):
+    """Each point the median of its runs (as beside busy neighbours), on the simulator with nothing else running:
+    the same configured timing comes out."""
+    from dataclasses import replace
+
+    from planner.fit import fit_profile
+    from planner.measure import measure
+    from planner.profile_engine import QUICK
+
+    url = sim_deployment.pools.get().endpoints.get().url
+    plan = replace(QUICK, pick="median", decode_repeats=3)  # the points `profile_engine --quick` measures
+    got = measure(url, MODEL_NAME, block_size=128, max_model_len=4096, plan=plan)
+    assert len(got.prefill) == 6 and len(got.decode) == 6
+    profile = fit_profile(got, Profile()).profile
+    assert profile.prefill_per_token_s == pytest.approx(PREFILL_S, rel=TOLERANCE)
+    assert profile.step_fixed_s + profile.decode_per_seq_s == pytest.approx(DECODE_S, rel=TOLERANCE)
