@@ -35,6 +35,10 @@ MEASURED_KEYS = (
     "router_added_ms",
     "own_prefill_p90",
     "host_share",
+    "router_ttft_ms",
+    "engine_ttft_ms",
+    "engine_queue_ms",
+    "engine_prefill_ms",
 )
 
 
@@ -135,6 +139,7 @@ def report(
     """The validation tables for every run recorded in `folders`; and whether every configuration met the
     target."""
     from planner.validate import (
+        breakdown_table,
         by_configuration,
         compare,
         configuration_error,
@@ -175,6 +180,11 @@ def report(
             "Every run:",
             "",
             table(comparisons),
+            "",
+            "Where the time to the first token went (means; the engines' from their own histograms, not part "
+            "of the error):",
+            "",
+            breakdown_table(comparisons),
         ]
     )
     return text, met

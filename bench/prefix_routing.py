@@ -135,6 +135,11 @@ class Engine:
         for family in text_string_to_metric_families(text):
             if family.name in ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:request_success"):
                 out[family.name] = sum(s.value for s in family.samples if s.name.endswith("_total"))
+            elif family.name in ENGINE_TIMES.values():
+                for suffix in ("_sum", "_count"):
+                    out[family.name + suffix] = sum(
+                        s.value for s in family.samples if s.name.endswith(suffix)
+                    )
         return out
 
     def reset(self, deadline: float) -> None:
@@ -306,6 +311,29 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
+# The engines' own account of a request's time to its first token (vLLM's histograms; the simulator keeps only
+# TTFT): from its arrival in the engine's server, from its entering the scheduler's queue to its first scheduling,
+# and from then to its first token. Their means over a run say where TTFT went (bench.planner_validate sets the
+# planner's beside them).
+ENGINE_TIMES = {
+    "engine_ttft_ms": "vllm:time_to_first_token_seconds",
+    "engine_queue_ms": "vllm:request_queue_time_seconds",
+    "engine_prefill_ms": "vllm:request_prefill_time_seconds",
+}
+
+
+def engine_means(before: list[dict], after: list[dict]) -> dict[str, float]:
+    """Each of ENGINE_TIMES's means over the run, in ms, over all engines (NaN where none reported it)."""
+    out = {}
+    for key, family in ENGINE_TIMES.items():
+        total = count = 0.0
+        for b, a in zip(before, after, strict=True):
+            total += a.get(family + "_sum", 0) - b.get(family + "_sum", 0)
+            count += a.get(family + "_count", 0) - b.get(family + "_count", 0)
+        out[key] = 1000 * total / count if count else float("nan")
+    return out
+
+
 def summarize(results: list[dict], before: list[dict], after: list[dict], ceiling: float) -> dict:
     ok = [r for r in results if r.get("ok")]
     queries = sum(
@@ -347,6 +375,7 @@ def summarize(results: list[dict], before: list[dict], after: list[dict], ceilin
         "tps": prompt / wall if wall else float("nan"),
         "per_engine": per_engine,
         "max_mean": max(per_engine) / mean if mean else float("nan"),
+        **engine_means(before, after),
     }
 
 
@@ -737,6 +766,7 @@ def main(argv: list[str]) -> int:
                     procs.stop(proc)
                 s = summarize(results, before, after, ceil["ceiling"])
                 s["router_added_ms"] = costs.get("added_ms", float("nan"))
+                s["router_ttft_ms"] = costs.get("ttft_ms", float("nan"))
                 s["router_cpu_ms"] = 1000 * cpu / len(results) if results else float("nan")
                 s["host_share"] = host_share
                 s["predicted"] = costs.get("predicted", float("nan"))

@@ -327,7 +327,7 @@ def ttft_tail(
 
 def router_costs(metrics_texts: list[str]) -> dict:
     """From our router replicas' /metrics at the end of a cell: the mean time the router added before a request
-    reached an engine, the precise index's mean round trip, the lookups Redis did not answer in time, and the
+    reached an engine, its mean time to the first byte of the answer, the precise index's mean round trip, the lookups Redis did not answer in time, and the
     prompt tokens it predicted the chosen engines had cached against those the engines reported."""
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -338,6 +338,8 @@ def router_costs(metrics_texts: list[str]) -> dict:
                 if sample.name in (
                     "router_added_latency_seconds_sum",
                     "router_added_latency_seconds_count",
+                    "router_time_to_first_token_seconds_sum",
+                    "router_time_to_first_token_seconds_count",
                     "router_prefix_index_lookup_seconds_sum",
                     "router_prefix_index_lookup_seconds_count",
                     "router_prefix_index_fallbacks_total",
@@ -351,6 +353,14 @@ def router_costs(metrics_texts: list[str]) -> dict:
         "added_ms": 1000 * sums.get("router_added_latency_seconds_sum", 0.0) / added
         if added
         else float("nan"),
+        # From the request's arrival at the router to the first byte of the answer it sent on.
+        "ttft_ms": (
+            1000
+            * sums["router_time_to_first_token_seconds_sum"]
+            / sums["router_time_to_first_token_seconds_count"]
+            if sums.get("router_time_to_first_token_seconds_count")
+            else float("nan")
+        ),
         "lookup_ms": (
             1000 * sums.get("router_prefix_index_lookup_seconds_sum", 0.0) / lookups
             if lookups

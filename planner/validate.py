@@ -111,20 +111,43 @@ def rank_pct(values: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def figures(seqs) -> dict[str, float]:
-    """A simulation's figures, defined as the benchmark defines its own."""
+def mean_ms(values: list[float]) -> float:
+    return 1000 * statistics.fmean(values) if values else math.nan
+
+
+def figures(seqs, request_overhead_s: float = 0.0) -> dict[str, float]:
+    """A simulation's figures, defined as the benchmark defines its own; and beside them (BREAKDOWN) the means
+    the engines' own histograms give: TTFT from the request's arrival at its engine, its wait in the scheduler's
+    queue (from the engine's request overhead on to its first admission) and its prefill (from then to its
+    first token)."""
     done = [s for s in seqs if s.first_token_s >= 0]
     ttft = [seen_ttft(s) for s in done]
     prompt = sum(s.request.input_tokens for s in done)
     cached = sum(max(0, s.cached_tokens) for s in done)
     start = min((s.request.arrival_s for s in seqs), default=0.0)
     end = max((s.finished_s for s in done), default=0.0)
+    here = [s for s in done if s.admitted_s >= 0]  # prefilled on the engine it was routed to
     return {
         "ttft_p50": rank_pct(ttft, 0.5) * 1000,
         "ttft_p90": rank_pct(ttft, 0.9) * 1000,
         "rps": len(done) / (end - start) if end > start else math.nan,
         "hit_share": cached / prompt if prompt else math.nan,
+        "ttft_mean": mean_ms(ttft),
+        "router_ttft_ms": mean_ms([s.first_token_s - s.request.arrival_s for s in done]),
+        "engine_ttft_ms": mean_ms([s.first_token_s - s.routed_s for s in here]),
+        "engine_queue_ms": mean_ms([s.admitted_s - s.routed_s - request_overhead_s for s in here]),
+        "engine_prefill_ms": mean_ms([s.first_token_s - s.admitted_s for s in here]),
     }
+
+
+# Where the time to the first token went, client and engines (means, ms): diagnostic, not part of the error.
+BREAKDOWN = {
+    "ttft_mean": "client TTFT",
+    "router_ttft_ms": "router TTFT",
+    "engine_ttft_ms": "engine TTFT",
+    "engine_queue_ms": "queued",
+    "engine_prefill_ms": "prefill",
+}
 
 
 def simulate_run(
@@ -146,7 +169,7 @@ def simulate_run(
         policy=policy,
         approx_capacity_blocks=int(cfg["kv_blocks"]) if cfg.get("kv_blocks") else None,
     )
-    return figures(sim.run().seqs)
+    return figures(sim.run().seqs, prof.request_overhead_s)
 
 
 def rel_error(simulated: float, measured: float) -> float:
@@ -196,6 +219,21 @@ def table(comparisons: list[Comparison]) -> str:
         for k in FIGURES:
             cells.append(f"{fmt(k, r.measured[k])} / {fmt(k, c.simulated[k])} ({c.errors[k]:.0%})")
         cells.append(f"**{c.median_error:.1%}**")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def breakdown_table(comparisons: list[Comparison]) -> str:
+    """One row per run: the mean time to the first token (by the client's clock and the engines'), the wait in
+    the engines' queues and the prefill, real against simulated (n/a where the engines report none)."""
+    head = ["workload", "policy", "round"] + [f"{label} (ms): real / sim" for label in BREAKDOWN.values()]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 3 + "---:|" * len(BREAKDOWN)]
+    for c in comparisons:
+        r = c.run
+        cells = [r.workload, r.policy, str(r.round)]
+        for k in BREAKDOWN:
+            real = r.measured.get(k, math.nan)
+            cells.append(f"{fmt(k, real)} / {fmt(k, c.simulated.get(k, math.nan))}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -74,6 +74,10 @@ def test_every_request_of_the_run_is_in_its_own_trace(recorded):
         assert record["config"]["mode"] == policy and record["config"]["kv_blocks"] == 2048
         # The share of the host's cores left to the engines: the router, the client and Redis used some.
         assert 0 < record["measured"]["host_share"] < 1, record["measured"]
+        # The mean time to the first token by each clock, each inside the one before: the client's, the router's
+        # (from its receipt), the engines' own (from their servers' receipt).
+        m = record["measured"]
+        assert 0 < m["engine_ttft_ms"] < m["router_ttft_ms"] < m["ttft_mean"], m
 
 
 def test_the_planner_reproduces_the_run_within_the_bounds(recorded):
@@ -88,6 +92,14 @@ def test_the_planner_reproduces_the_run_within_the_bounds(recorded):
         for figure, bound in BOUNDS.items():
             assert c.errors[figure] <= bound, (run.label, figure, detail)
         assert c.median_error <= MEDIAN_BOUND, (run.label, detail)
+        # The engines' part of it: the simulators' own TTFT histograms against the planner's engine TTFT (its
+        # request overhead, its wait for a first admission and its prefill, which add up to it).
+        sim = c.simulated
+        overhead = profile_for(run, router_latency=True).request_overhead_s * 1000
+        assert sim["engine_queue_ms"] + sim["engine_prefill_ms"] + overhead == pytest.approx(
+            sim["engine_ttft_ms"]
+        )
+        assert sim["engine_ttft_ms"] == pytest.approx(run.measured["engine_ttft_ms"], rel=0.5), detail
 
 
 def test_the_host_share_slows_only_engines_that_compute_on_the_host(recorded):
