@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import sys
 import threading
+import time
 from dataclasses import replace
 
 from bench import harness as h
@@ -76,6 +78,8 @@ def main(argv: list[str]) -> int:
             gpu_price_per_hour=0.0,
         )
         flags = " ".join(f"{flag} {value}" for flag, value in pr.SIM_TIMING.items())
+        started, host0 = time.monotonic(), h.host_cpu()
+        engines0 = sum(h.tree_cpu(e.proc.pid) for e in engines)
         document = profile_engine(
             engines[0].url,
             pr.MODEL,
@@ -104,6 +108,13 @@ def main(argv: list[str]) -> int:
                 f"{len(engines)} engines up, measured by bench/engine_profile.py --engine-kind simulator"
             ),
         )
+        if vllm:  # what the measuring client (and the neighbours' one) left the engines of the host's cores
+            others = (h.host_cpu() - host0) - (sum(h.tree_cpu(e.proc.pid) for e in engines) - engines0)
+            elapsed = time.monotonic() - started
+            document["host_share"] = round(
+                max(0.01, 1 - others / (elapsed * len(os.sched_getaffinity(0)))), 3
+            )
+            h.log(f"the engines had {document['host_share']:.1%} of the host's cores")
     h.log(f"fit: {document['fit']}")
     print(write_profile(document, args.output))
     return 0

@@ -48,6 +48,10 @@ class Profile:
     spec_draft_tokens: int = 0
     spec_acceptance: float = 0.0
     spec_step_factor: float = 1.0
+    # The share (0 to 1] of the host's cores the engine had while it was measured, where it computes on the cores
+    # its clients use (vLLM-CPU): the rest went to the measuring client and whatever else ran. 1: the cores to
+    # itself, or an engine whose time does not depend on them (a GPU's, the simulator's).
+    host_share: float = 1.0
 
     def kv_blocks(self, block_tokens: int) -> int | None:
         """The KV capacity in blocks; None: unbounded (kv_capacity_tokens <= 0)."""
@@ -77,11 +81,13 @@ class Profile:
         return 1.0 + sum(a**i for i in range(1, k + 1))
 
     def on_share_of_host(self, share: float) -> Profile:
-        """This engine with only `share` (0 to 1] of the compute it was measured on, the rest taken by other
-        processes on the same cores (a vLLM-CPU engine beside the router and its clients): every iteration and
-        request cost divided by `share`. KV, NIXL and CPU-tier costs are left as they are."""
+        """This engine with `share` (0 to 1] of the host's compute where it was measured with `host_share` of it,
+        the rest taken by other processes on the same cores (a vLLM-CPU engine beside the router and its clients):
+        every iteration and request cost times host_share / share. KV, NIXL and CPU-tier costs are left as they
+        are."""
         if not 0 < share <= 1:
             raise ValueError(f"a share of the host is in (0, 1], not {share}")
+        factor = share / self.host_share
         scaled = (
             "step_fixed_s",
             "prefill_per_token_s",
@@ -90,10 +96,10 @@ class Profile:
             "decode_per_ktoken_s",
             "request_overhead_s",
         )
-        changes = {name: getattr(self, name) / share for name in scaled}
+        changes = {name: getattr(self, name) / factor for name in scaled}
         if self.prefill_fixed_s is not None:
-            changes["prefill_fixed_s"] = self.prefill_fixed_s / share
-        return self.with_(**changes)
+            changes["prefill_fixed_s"] = self.prefill_fixed_s / factor
+        return self.with_(**changes, host_share=share)
 
     def with_(self, **changes) -> Profile:
         return Profile(**{**asdict(self), **changes})

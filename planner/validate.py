@@ -81,8 +81,9 @@ def profile_for(
     `router_added_latency_seconds`: parsing, tokenizing, the pick) added to the request overhead, so that a
     request reaches its engine's scheduler as late as the real router sent it. With `host_share`, engines that
     compute on the run's own cores (vLLM-CPU) get the share of those cores the run measured they had
-    (`host_share`: one less what every other process used, the router, its clients and Redis among them), where
-    the profile was measured with the cores to themselves (Profile.on_share_of_host)."""
+    (`host_share`: one less what every other process used, the router, its clients and Redis among them),
+    relative to the share the profile was measured with (its `host_share`: what the measuring clients left them;
+    Profile.on_share_of_host)."""
     cfg = run.config
     base = Profile.load(profile or cfg["profile"])
     if host_share and cfg.get("engine") == "vllm":
@@ -250,8 +251,8 @@ def summary_table(comparisons: list[Comparison], target: float) -> str:
     the measured figures over the rounds, and the median error against the target."""
     head = ["workload", "policy", "rounds"]
     head += [f"{LABELS[k]} error (real spread)" for k in FIGURES]
-    head += ["median error", f"target {target:.0%}"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 3 + "---:|" * (len(FIGURES) + 2)]
+    head += ["median error", f"target {target:.0%}", "real rounds against each other"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 3 + "---:|" * (len(FIGURES) + 3)]
     for (workload, policy), group in by_configuration(comparisons).items():
         cells = [workload, policy, str(len(group))]
         for k in FIGURES:
@@ -261,9 +262,31 @@ def summary_table(comparisons: list[Comparison], target: float) -> str:
             err = statistics.median(errs) if errs else math.nan
             cells.append(f"{err:.0%} ({spread})")
         med = configuration_error(group)
-        cells += [f"**{med:.1%}**", "met" if med <= target else "MISSED"]
+        repeat = repeat_error(group)
+        cells += [
+            f"**{med:.1%}**",
+            "met" if med <= target else "MISSED",
+            "n/a" if math.isnan(repeat) else f"{repeat:.1%}",
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def repeat_error(group: list[Comparison]) -> float:
+    """How well the real runs of one configuration predict each other, the floor under the planner's error: each
+    round's figures against the median of the other rounds' (the same replay, routed and timed afresh), as
+    `configuration_error` weighs the planner's (the median over the figures of each figure's median over the
+    rounds). NaN with fewer than 2 rounds."""
+    if len(group) < 2:
+        return math.nan
+    per_figure = []
+    for k in FIGURES:
+        real = [c.run.measured[k] for c in group]
+        errs = [rel_error(statistics.median(real[:i] + real[i + 1 :]), x) for i, x in enumerate(real)]
+        errs = [e for e in errs if not math.isnan(e)]
+        if errs:
+            per_figure.append(statistics.median(errs))
+    return statistics.median(per_figure) if per_figure else math.nan
 
 
 def configuration_error(group: list[Comparison]) -> float:

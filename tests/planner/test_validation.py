@@ -112,14 +112,21 @@ def test_the_host_share_slows_only_engines_that_compute_on_the_host(recorded):
     run.config = {**run.config, "engine": "vllm", "profile": "vllm-cpu-tiny-qwen"}
     plain, slowed = profile_for(run), profile_for(run, host_share=True)
     mixed = ([(2048, 4096)], 12, 30_000)
-    assert slowed.iteration_s(*mixed) == pytest.approx(plain.iteration_s(*mixed) / share)
-    assert slowed.request_overhead_s == pytest.approx(plain.request_overhead_s / share)
+    # The profile was measured with a share of its own (the measuring clients took the rest): relative to that.
+    factor = plain.host_share / share
+    assert slowed.iteration_s(*mixed) == pytest.approx(plain.iteration_s(*mixed) * factor)
+    assert slowed.request_overhead_s == pytest.approx(plain.request_overhead_s * factor)
+    assert slowed.host_share == share
     assert (slowed.kv_capacity_tokens, slowed.max_num_seqs) == (plain.kv_capacity_tokens, plain.max_num_seqs)
     with_latency = profile_for(run, router_latency=True, host_share=True)
     added = run.measured["router_added_ms"] / 1000
-    assert with_latency.request_overhead_s == pytest.approx(plain.request_overhead_s / share + added)
+    assert with_latency.request_overhead_s == pytest.approx(plain.request_overhead_s * factor + added)
     del run.measured["host_share"]
     with pytest.raises(ValueError, match="share of the host"):
         profile_for(run, host_share=True)
     with pytest.raises(ValueError, match=r"\(0, 1\]"):
         Profile().on_share_of_host(0)
+    # Measured on 90 % of the host, run on 90 %: as measured; on 45 %: twice as slow.
+    measured = Profile(host_share=0.9)
+    assert measured.on_share_of_host(0.9).iteration_s(*mixed) == pytest.approx(measured.iteration_s(*mixed))
+    assert measured.on_share_of_host(0.45).step_fixed_s == pytest.approx(2 * measured.step_fixed_s)
