@@ -135,6 +135,7 @@ def report(
     target: float = TARGET,
     router_latency: bool = False,
     host_share: bool = False,
+    recorded_routes: bool = False,
 ) -> tuple[str, bool]:
     """The validation tables for every run recorded in `folders`; and whether every configuration met the
     target."""
@@ -152,7 +153,7 @@ def report(
     for folder in folders:
         for run in load_runs(folder):
             started = time.process_time()
-            comparisons.append(compare(run, profile, router_latency, host_share))
+            comparisons.append(compare(run, profile, router_latency, host_share, recorded_routes))
             print(
                 f"simulated {run.label}: {len(run.requests)} requests in {time.process_time() - started:.1f} CPU s",
                 file=sys.stderr,
@@ -171,6 +172,7 @@ def report(
                 if host_share
                 else ""
             )
+            + (", each request sent to the engine the run sent it to" if recorded_routes else "")
             + f". Target: median relative error at most {target:.0%} per "
             "configuration (over TTFT p50, TTFT p90, req/s and hit share; each figure's error the median over "
             "the rounds).",
@@ -207,10 +209,23 @@ def main(argv: list[str] | None = None) -> int:
         help="engines that compute on the run's own cores (vLLM-CPU) slowed to the share of those cores the run "
         "measured they had (what the router, the client, Redis and anything else did not use)",
     )
+    p.add_argument(
+        "--recorded-routes",
+        action="store_true",
+        help="send each request to the engine the run sent it to (the trace's `endpoint`) instead of routing it "
+        "by the planner's pipeline: the engines' model alone, apart from where the routing went another way",
+    )
     p.add_argument("--out", help="also write the tables to this file")
     args = p.parse_args(argv)
     try:
-        text, met = report(args.folders, args.profile, args.target, args.router_latency, args.host_share)
+        text, met = report(
+            args.folders,
+            args.profile,
+            args.target,
+            args.router_latency,
+            args.host_share,
+            args.recorded_routes,
+        )
     except (ValueError, FileNotFoundError) as exc:
         p.error(str(exc))
     print(text)

@@ -37,7 +37,7 @@ from routing.kvindex.prefix_index import Held  # noqa: E402
 from routing.scheduling.affinity import ApproximateIndex, SessionMap  # noqa: E402
 from routing.scheduling.disagg import plan_disaggregated, plan_peer_pull  # noqa: E402
 from routing.scheduling.load import RECENT_WINDOW_S, EndpointLoad  # noqa: E402
-from routing.scheduling.pipeline import Pipeline, RequestContext  # noqa: E402
+from routing.scheduling.pipeline import Candidate, Pipeline, RequestContext  # noqa: E402
 from routing.scheduling.steps import request_weight  # noqa: E402
 
 MODES = ("precise", "approximate", "least_loaded", "round_robin")
@@ -177,11 +177,16 @@ class Simulation:
         fast_index: bool = True,
         kv_both: bool = False,
         prefill_autoscale=None,
+        recorded_routes: bool = False,
     ):
         if prefill_autoscale is not None and not prefill_engines:
             raise ValueError("prefill_autoscale scales a prefill pool: give prefill_engines")
 
         self.requests = requests
+        # Send each request to the engine the recorded run sent it to (TraceRequest.endpoint), where the trace
+        # says, instead of where the pipeline would: the engines' model apart from the routing's.
+        self.recorded_routes = recorded_routes
+        self._routes: dict[int, int] = {}  # recorded engine number -> index among this deployment's engines
         self.profile = profile
         self.mode = mode
         self.pipeline = pipeline or Pipeline()
@@ -549,6 +554,8 @@ class Simulation:
         chosen, candidates = self.pipeline.choose(self.deployment, ctx, self.loads)
         if chosen is None:
             raise RuntimeError("the pipeline left no engine")
+        if self.recorded_routes and r.endpoint is not None:
+            chosen = self._recorded_route(r.endpoint, candidates)
         eid = chosen.endpoint.id
         if r.session:
             self.sessions.put(r.session, eid)
@@ -589,6 +596,17 @@ class Simulation:
             heapq.heappush(self._events, (now + overhead, self._n, 2, seq, 0))
         else:
             self.engines[eid].submit(seq, now)
+
+    def _recorded_route(self, route: int, candidates: list[Candidate]) -> Candidate:
+        """The engine the recorded run sent this request to: the recorded engines, numbered in order of first
+        appearance, taken in turn as this deployment's (which of them is which does not matter: they start
+        alike, their caches empty)."""
+        engines = [e for e in self.deployment.endpoints if e.role not in PREFILL_ROLES]
+        endpoint = engines[self._routes.setdefault(route, len(self._routes) % len(engines))]
+        for c in candidates:
+            if c.endpoint.id == endpoint.id:
+                return c
+        return Candidate(endpoint, self.loads[endpoint.id])
 
     # Prefill/decode pools and peer pulls: the router's plans (routing.scheduling.disagg), the KV moved over NIXL.
     def _plan(self, ctx: RequestContext, chosen, candidates):

@@ -26,6 +26,9 @@ class TraceRequest:
     # Output tokens made before the client saw any of the answer (our traces' `output_before_visible`: a tool
     # call the engine's parser held back, an answer not streamed); 0 in the public traces.
     output_before_visible: int = 0
+    # The engine that served it in the recorded run (our traces' `endpoint`, numbered in order of first
+    # appearance); None in the public traces. The planner routes by its own pipeline unless told to follow it.
+    endpoint: int | None = None
 
     def full_blocks(self, block_tokens: int = TRACE_BLOCK_TOKENS) -> tuple[int, ...]:
         """The ids of the prompt's full blocks: only those can be cached and matched."""
@@ -51,6 +54,7 @@ def parse(lines: Iterable[str], limit: int | None = None) -> list[TraceRequest]:
                 tenant=str(row.get("tenant", "-")),
                 session=None if row.get("session") is None else str(row["session"]),
                 output_before_visible=max(0, int(row.get("output_before_visible") or 0)),
+                endpoint=None if row.get("endpoint") is None else int(row["endpoint"]),
             )
         )
     requests.sort(key=lambda r: (r.arrival_s, r.index))

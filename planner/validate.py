@@ -152,10 +152,18 @@ BREAKDOWN = {
 
 
 def simulate_run(
-    run: Run, profile: str | Path | None = None, router_latency: bool = False, host_share: bool = False
+    run: Run,
+    profile: str | Path | None = None,
+    router_latency: bool = False,
+    host_share: bool = False,
+    recorded_routes: bool = False,
 ) -> dict[str, float]:
     """The run replayed on the planner: the same arrivals, engines, mode, policy overrides, block size, KV
-    capacity (engines' and the approximate index's) and max_num_seqs."""
+    capacity (engines' and the approximate index's) and max_num_seqs. With `recorded_routes`, each request goes
+    to the engine the run sent it to rather than where the planner's routing would: what is left is the engines'
+    model (raises ValueError for a trace that recorded no routes)."""
+    if recorded_routes and not any(r.endpoint is not None for r in run.requests):
+        raise ValueError(f"{run.trace}: the trace records no routes (exported before `endpoint` was)")
     from .sim import Simulation
 
     cfg = run.config
@@ -169,6 +177,7 @@ def simulate_run(
         block_tokens=int(cfg["block_size"]),
         policy=policy,
         approx_capacity_blocks=int(cfg["kv_blocks"]) if cfg.get("kv_blocks") else None,
+        recorded_routes=recorded_routes,
     )
     return figures(sim.run().seqs, prof.request_overhead_s)
 
@@ -192,9 +201,13 @@ class Comparison:
 
 
 def compare(
-    run: Run, profile: str | Path | None = None, router_latency: bool = False, host_share: bool = False
+    run: Run,
+    profile: str | Path | None = None,
+    router_latency: bool = False,
+    host_share: bool = False,
+    recorded_routes: bool = False,
 ) -> Comparison:
-    simulated = simulate_run(run, profile, router_latency, host_share)
+    simulated = simulate_run(run, profile, router_latency, host_share, recorded_routes)
     return Comparison(run, simulated, {k: rel_error(simulated[k], run.measured[k]) for k in FIGURES})
 
 

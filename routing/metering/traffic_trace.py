@@ -229,7 +229,8 @@ def export_rows(
     `input_length`, `output_length`, `hash_ids` (one per `block_tokens` of the prompt, numbered from 0 in order
     of first appearance: equal prefixes, equal ids), then ours: `cached_length`, `output_before_visible` (the
     output tokens made before the client saw any of the answer), `tenant`, `team`, `key`, `priority`,
-    `session` (numbered as the hash ids; null where none). A block the router did not key (the
+    `session` (numbered as the hash ids; null where none), `endpoint` (the engine that served it, numbered in
+    order of first appearance, not named; null where none). A block the router did not key (the
     prompt's partial last block, a prompt it did not tokenize) gets an id of its own."""
     from routing.models import TrafficTraceEntry
 
@@ -242,6 +243,7 @@ def export_rows(
     )
     ids: dict[bytes, int] = {}
     sessions: dict[str, int] = {}
+    endpoints: dict[str, int] = {}
     fresh = 0
     start = None
     for entry in entries:
@@ -273,4 +275,5 @@ def export_rows(
             "key": entry.api_key_id,
             "priority": entry.priority_class,
             "session": sessions.setdefault(entry.session, len(sessions)) if entry.session else None,
+            "endpoint": endpoints.setdefault(entry.endpoint, len(endpoints)) if entry.endpoint else None,
         }

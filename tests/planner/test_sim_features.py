@@ -438,3 +438,22 @@ def test_the_autoscaler_scales_each_pool_of_a_pd_deployment_by_its_own_signals()
     assert len(result.lifetimes) == len(sim.engines)
     assert summary.engine_hours == pytest.approx(sum(b - a for a, b in result.lifetimes) / 3600)
     assert result.timeline and all(n >= 2 for _, _, n in result.timeline)  # each pool keeps one ready
+
+
+def test_recorded_routes_send_each_request_where_the_run_sent_it():
+    """A trace that records its routes (`endpoint`, numbered in order of first appearance) replays them, the
+    session map included, in place of the pipeline's choice; requests without one are routed as ever."""
+    rows = [
+        TraceRequest(i, i * 0.5, 600, 4, (7_000 + i, 1), session="s", endpoint=route)
+        for i, route in enumerate((0, 0, 0, 1, None))
+    ]
+    picks: list[int] = []
+    sim = Simulation(
+        rows, 2, FAST, "round_robin", on_pick=lambda r, eid: picks.append(eid), recorded_routes=True
+    )
+    assert summarize(sim.run()).finished == 5
+    assert picks[:4] == [picks[0]] * 3 + [next(e for e in (1, 2) if e != picks[0])]
+    assert sim.sessions.get("s") == picks[4]
+    routed = []
+    Simulation(rows, 2, FAST, "round_robin", on_pick=lambda r, eid: routed.append(eid)).run()
+    assert routed[0] != routed[1]  # round-robin, as the pipeline routes them without the recorded routes

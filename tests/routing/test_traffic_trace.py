@@ -198,7 +198,14 @@ def test_it_records_sampled_requests_and_exports_a_trace_the_planner_replays(tra
         "key",
         "priority",
         "session",
+        "endpoint",
     }
+    # The route, numbered in order of first appearance: the same engine the same number, never its name.
+    numbers: dict[str, int] = {}
+    for request_id, row in by_id.items():
+        assert numbers.setdefault(entries[request_id].endpoint, row["endpoint"]) == row["endpoint"]
+    assert sorted(numbers.values()) == list(range(len(numbers))) and rows[0]["endpoint"] == 0
+    assert all(name not in text for name in numbers)
     distinct = len({h for r in rows for h in r["hash_ids"]})
     assert all(0 <= h < distinct for r in rows for h in r["hash_ids"])
     for raw in keys + other_keys:
@@ -210,6 +217,7 @@ def test_it_records_sampled_requests_and_exports_a_trace_the_planner_replays(tra
     # The planner replays it as it does the public traces: the shared prompt is the cacheable share.
     trace = load_trace(out)
     assert len(trace) == 4 and trace[1].session in (None, "0")
+    assert [r.endpoint for r in trace] == [row["endpoint"] for row in rows]
     assert ceiling(trace)[0] >= 2 * SYSTEM_BLOCKS * 512
     summary = summarize(simulate(trace, 2, Profile.load("sim-bench"), "precise"))
     assert summary.finished == 4
