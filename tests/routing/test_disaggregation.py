@@ -334,16 +334,32 @@ def test_real_vllm_prefill_and_decode_over_nixl_through_the_router(router_proces
 
     prefill, decode = vllm_pd
     fleet = pd_fleet(router_process, [prefill], [decode])
-    request_id, chunks = stream_chat(fleet, LONG, max_tokens=8)
-    seen = (
-        f"last events: {chunks[-3:]}\nrouter: {fleet.router.log()[-2000:]}\n"
-        f"prefill: {prefill.log()[-2000:]}\ndecode: {decode.log()[-3000:]}"
-    )
-    assert "choices" in chunks[-1] and chunks[-1]["choices"][0]["finish_reason"] == "length", seen
-    assert sum(1 for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content") is not None) >= 1
+
+    def play(content: str):
+        failed_before = decode.metrics().get("vllm:nixl_num_failed_transfers_total", 0)
+        request_id, chunks = stream_chat(fleet, content, max_tokens=8)
+        seen = (
+            f"last events: {chunks[-3:]}\nrouter: {fleet.router.log()[-2000:]}\n"
+            f"prefill: {prefill.log()[-2000:]}\ndecode: {decode.log()[-3000:]}"
+        )
+        assert "choices" in chunks[-1] and chunks[-1]["choices"][0]["finish_reason"] == "length", seen
+        assert (
+            sum(1 for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content") is not None)
+            >= 1
+        )
+        return request_id, failed_before, seen
+
+    request_id, failed_before, seen = play(LONG)
+    plays = 1
+    if transfers(decode) == 0 and any("handshake" in line for line in failed_pulls(decode)):
+        # vLLM gives its NIXL handshake a fixed 5 s; on a starved host the decode engine's first one can run out
+        # (seen in a CI rehearsal) and the pull is recomputed, the client still answered. vLLM handshakes again
+        # at the next pull, so the request is played once more on a new prefix; any other failure fails below.
+        request_id, failed_before, seen = play("A second session. " + LONG)
+        plays = 2
     assert transfers(decode) == 1, seen
-    assert decode.metrics().get("vllm:nixl_num_failed_transfers_total", 0) == 0
-    assert requests_served(prefill) == 1
+    assert decode.metrics().get("vllm:nixl_num_failed_transfers_total", 0) == failed_before, seen
+    assert requests_served(prefill) == plays
     usage_events([request_id], wait_for=1)
     usage_ingest_until_empty()
     (record,) = UsageRecord.objects.filter(request_id=request_id)
