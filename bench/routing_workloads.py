@@ -327,8 +327,9 @@ def ttft_tail(
 
 def router_costs(metrics_texts: list[str]) -> dict:
     """From our router replicas' /metrics at the end of a cell: the mean time the router added before a request
-    reached an engine, its mean time to the first byte of the answer, the precise index's mean round trip, the lookups Redis did not answer in time, and the
-    prompt tokens it predicted the chosen engines had cached against those the engines reported."""
+    reached an engine, its mean time to the first byte of the answer, the precise index's mean round trip, the
+    lookups Redis did not answer in time, and the prompt tokens it predicted the chosen engines had cached against
+    those the engines reported."""
     from prometheus_client.parser import text_string_to_metric_families
 
     sums: dict[str, float] = {}
