@@ -4,15 +4,17 @@ status, progress and result, list them. Platform operators only: a run replays e
 from __future__ import annotations
 
 from django.utils import timezone
-from drf_spectacular.utils import extend_schema
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework import mixins, permissions, serializers, status, viewsets
+from rest_framework.exceptions import APIException
 from rest_framework.response import Response
 
 from inference_platform.api_base import PeopleOnly, access_of
 from serving.models import ModelDeployment
 
 from .models import WhatIfRun
-from .whatif import WhatIfError, whatif_create
+from .whatif import WhatIfBusy, WhatIfError, whatif_create
 
 
 class OperatorsOnly(permissions.BasePermission):
@@ -20,6 +22,13 @@ class OperatorsOnly(permissions.BasePermission):
 
     def has_permission(self, request, view) -> bool:
         return access_of(request).is_operator
+
+
+class WhatIfRunsBusy(APIException):
+    """Too many runs at once (planner.whatif.WhatIfBusy): a 429 that says how many and which setting."""
+
+    status_code = status.HTTP_429_TOO_MANY_REQUESTS
+    default_code = "what_if_runs_busy"
 
 
 class WhatIfRunSerializer(serializers.ModelSerializer):
@@ -72,6 +81,8 @@ class WhatIfRunCreateSerializer(serializers.Serializer):
             )
         except WhatIfError as exc:
             raise serializers.ValidationError(exc.errors) from None
+        except WhatIfBusy as exc:
+            raise WhatIfRunsBusy(str(exc)) from None
 
 
 class WhatIfRunViewSet(
@@ -80,7 +91,8 @@ class WhatIfRunViewSet(
     """What-if runs. POST starts one: `deployment`, `since`, `until` (default now), `baseline_profile`
     (optional) and `changes` (see docs/planner.md); the run is simulated in the background, and GET shows its
     `status` (pending, running, succeeded, failed), `progress` (percent), `stage`, `message` and, once done,
-    `result`: both fleets' predicted figures beside the period's actual ones."""
+    `result`: both fleets' predicted figures beside the period's actual ones. `until` may not be in the future.
+    At most PLANNER_WHATIF_MAX_RUNNING runs are pending or running at once, platform-wide: past it, a 429."""
 
     permission_classes = [permissions.IsAuthenticated, PeopleOnly, OperatorsOnly]
     filterset_fields = ["deployment", "status"]
@@ -91,7 +103,16 @@ class WhatIfRunViewSet(
     def get_serializer_class(self):
         return WhatIfRunCreateSerializer if self.action == "create" else WhatIfRunSerializer
 
-    @extend_schema(request=WhatIfRunCreateSerializer, responses={201: WhatIfRunSerializer})
+    @extend_schema(
+        request=WhatIfRunCreateSerializer,
+        responses={
+            201: WhatIfRunSerializer,
+            429: OpenApiResponse(
+                OpenApiTypes.OBJECT,
+                description="PLANNER_WHATIF_MAX_RUNNING runs are pending or running already (`detail`).",
+            ),
+        },
+    )
     def create(self, request, *args, **kwargs):
         serializer = WhatIfRunCreateSerializer(data=request.data, context=self.get_serializer_context())
         serializer.is_valid(raise_exception=True)

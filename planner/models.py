@@ -32,6 +32,11 @@ class WhatIfRun(models.Model):
     stage = models.CharField(max_length=100, blank=True, help_text="What the run is doing now.")
     message = models.TextField(blank=True, help_text="Why the run failed.")
     result = models.JSONField(null=True, blank=True)
+    # The period's recorded requests when the run was created, which the limits were checked against: the run
+    # replays no more, whatever reaches the trace for the period later (entries are drained after their request).
+    trace_requests = models.PositiveIntegerField(
+        null=True, blank=True, help_text="Recorded requests in the period when the run was created."
+    )
     requested_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True, related_name="+"
     )

@@ -31,10 +31,11 @@ def run_what_if(run_id: int) -> str:
     except Exception as exc:  # a run ends failed with a message, never as a crashed task
         log.exception("what-if %s failed", run_id)
         return _fail(run_id, f"the simulation failed: {type(exc).__name__}: {exc}")
-    WhatIfRun.objects.filter(pk=run_id).update(
+    # Only while still running: a run failed as lost in the meantime (PLANNER_WHATIF_TIMEOUT_S) stays failed.
+    stored = WhatIfRun.objects.filter(pk=run_id, status=RunStatus.RUNNING).update(
         status=RunStatus.SUCCEEDED, progress=100, stage="", result=result, finished_at=timezone.now()
     )
-    return "succeeded"
+    return "succeeded" if stored else "taken as lost"
 
 
 def _fail(run_id: int, message: str) -> str:

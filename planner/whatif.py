@@ -23,9 +23,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 
-from django.db import transaction
+from django.conf import settings
+from django.db import connection, transaction
+from django.db.models import BigIntegerField, F, Sum
 from django.utils import timezone
 
 from portal.models import AcceleratorPrice
@@ -33,18 +35,20 @@ from routing.models import RoutingPolicy, TrafficTraceEntry, policy_fields
 from serving.models import ModelDeployment, PoolRole
 from tenants.models import Team, Tenant
 
-from .models import WhatIfRun
+from .models import RunStatus, WhatIfRun
 from .profile import Profile, profile_names
 from .report import summarize
 from .sim import MODES, simulate
-from .trace import TraceRequest
-from .whatif_traffic import Traffic, multiply, recorded_trace
+from .trace import TRACE_BLOCK_TOKENS, TraceRequest
+from .whatif_traffic import RecordedTrace, Traffic, held_blocks, multiply, recorded_trace
 
 MAX_ENGINES = 1024  # a pool's replicas are capped there too
 MAX_FACTOR = 100.0
 MAX_REQUESTS = 300_000  # requests one run may replay, multipliers included (about a minute of CPU)
 CHANGE_KEYS = {"engines", "mode", "profile", "gpu_price_per_hour", "traffic"}
 TRAFFIC_KEYS = {"tenants", "teams", "all"}
+# The key of the PostgreSQL advisory lock under which a run takes one of the PLANNER_WHATIF_MAX_RUNNING slots.
+SLOTS_LOCK = (0x3F1F, 0)
 
 
 class WhatIfError(ValueError):
@@ -53,6 +57,10 @@ class WhatIfError(ValueError):
     def __init__(self, errors: dict[str, str]):
         super().__init__("; ".join(f"{k}: {v}" for k, v in errors.items()))
         self.errors = errors
+
+
+class WhatIfBusy(Exception):
+    """PLANNER_WHATIF_MAX_RUNNING runs are already pending or running: a new one must wait for one to end."""
 
 
 @dataclass(frozen=True)
@@ -191,12 +199,18 @@ def changes_clean(deployment: ModelDeployment, changes) -> dict:
 
 
 def period_clean(deployment: ModelDeployment, since: datetime, until: datetime, changes: dict) -> int:
-    """The number of recorded requests in the period, or WhatIfError when there are none or too many."""
+    """The number of recorded requests in the period, or WhatIfError when there are none, too many, or too many
+    block ids for the multipliers (PLANNER_WHATIF_MAX_BLOCKS), or the period is not over yet."""
     if until <= since:
         raise WhatIfError({"until": "must be after since"})
-    count = TrafficTraceEntry.objects.filter(
+    if until > timezone.now():
+        raise WhatIfError(
+            {"until": "must not be in the future: a run replays a period already recorded (at most now)"}
+        )
+    entries = TrafficTraceEntry.objects.filter(
         deployment_id=deployment.pk, arrived_at__gte=since, arrived_at__lt=until
-    ).count()
+    )
+    count = entries.count()
     if not count:
         raise WhatIfError(
             {
@@ -213,7 +227,34 @@ def period_clean(deployment: ModelDeployment, since: datetime, until: datetime, 
                 "replay: choose a shorter period"
             }
         )
+    _blocks_clean(_period_blocks(entries, traffic))
     return count
+
+
+def _period_blocks(entries, traffic: Traffic) -> int:
+    """At most the block ids a replay of the entries holds: each request's prompt blocks (one per
+    TRACE_BLOCK_TOKENS, as the export numbers them) times its multiplier rounded up, at least once (the baseline
+    replays the recording whatever the multiplier)."""
+    blocks = (F("prompt_tokens") + (TRACE_BLOCK_TOKENS - 1)) / TRACE_BLOCK_TOKENS  # integer division
+    groups = entries.values("tenant_id", "team_id").annotate(
+        blocks=Sum(blocks, output_field=BigIntegerField())
+    )
+    return sum(
+        g["blocks"] * max(1, math.ceil(traffic.factor(str(g["tenant_id"]), str(g["team_id"]))))
+        for g in groups
+    )
+
+
+def _blocks_clean(blocks: int) -> None:
+    limit = settings.PLANNER_WHATIF_MAX_BLOCKS
+    if blocks > limit:
+        raise WhatIfError(
+            {
+                "until": f"the period's prompts would hold {blocks} block ids in the replay (each copy a multiplier "
+                f"makes counted), over the {limit} a run may hold (PLANNER_WHATIF_MAX_BLOCKS): choose a shorter "
+                "period or smaller multipliers"
+            }
+        )
 
 
 # --- the two fleets ----------------------------------------------------------------------------------------
@@ -340,12 +381,14 @@ def whatif_execute(run: WhatIfRun, progress: Callable[[int, str], None]) -> dict
 
     deployment = run.deployment
     progress(1, "loading the recorded trace")
-    trace = recorded_trace(deployment_id=deployment.pk, since=run.since, until=run.until)
+    trace = _run_trace(run)
     if not trace.requests:
         raise WhatIfError({"since": "no recorded traffic for this deployment in the period"})
     baseline = baseline_fleet(deployment, run.baseline_profile)
     changed = changed_fleet(baseline, run.changes)
-    replayed = multiply(trace, Traffic.from_changes(run.changes))
+    traffic = Traffic.from_changes(run.changes)
+    _blocks_clean(held_blocks(trace, traffic))  # before any copy is made
+    replayed = multiply(trace, traffic)
     if not replayed:
         raise WhatIfError({"changes.traffic": "the multipliers leave no requests to replay"})
 
@@ -380,6 +423,13 @@ def whatif_execute(run: WhatIfRun, progress: Callable[[int, str], None]) -> dict
     }
 
 
+def _run_trace(run: WhatIfRun) -> RecordedTrace:
+    """The period's trace as counted when the run was created: requests drained into the period since are left
+    out, so that the replay stays within the limits it was checked against."""
+    limit = MAX_REQUESTS if run.trace_requests is None else run.trace_requests
+    return recorded_trace(deployment_id=run.deployment_id, since=run.since, until=run.until, limit=limit)
+
+
 def whatif_create(
     *,
     deployment: ModelDeployment,
@@ -389,7 +439,8 @@ def whatif_create(
     baseline_profile=None,
     user=None,
 ) -> WhatIfRun:
-    """Check the what-if and start it (the task runs once the run is committed)."""
+    """Check the what-if and start it (the task runs once the run is committed), or WhatIfBusy when
+    PLANNER_WHATIF_MAX_RUNNING runs are pending or running already."""
     from .tasks import run_what_if
 
     profile = (
@@ -397,17 +448,44 @@ def whatif_create(
     )
     clean = changes_clean(deployment, changes)
     fleet_clean(changed_fleet(baseline_fleet(deployment, profile), clean))  # both fleets can be simulated
-    period_clean(deployment, since, until, clean)
-    run = WhatIfRun.objects.create(
-        deployment=deployment,
-        since=since,
-        until=until,
-        baseline_profile=profile,
-        changes=clean,
-        requested_by=user if user is not None and user.is_authenticated else None,
-    )
-    transaction.on_commit(lambda: run_what_if.delay(run.pk))
+    recorded = period_clean(deployment, since, until, clean)
+    with transaction.atomic():
+        _take_slot()
+        run = WhatIfRun.objects.create(
+            deployment=deployment,
+            since=since,
+            until=until,
+            baseline_profile=profile,
+            changes=clean,
+            trace_requests=recorded,
+            requested_by=user if user is not None and user.is_authenticated else None,
+        )
+        # Routed by CELERY_TASK_ROUTES to the what-if queue, apart from the platform's own tasks.
+        transaction.on_commit(lambda: run_what_if.delay(run.pk))
     return run
+
+
+def _take_slot() -> None:
+    """Inside the creating transaction: fail the runs taken as lost, then refuse when the slots are full. The
+    advisory lock (held to the commit) makes two starts count one after the other, so that neither misses the
+    other's run."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_advisory_xact_lock(%s, %s)", list(SLOTS_LOCK))
+    active = WhatIfRun.objects.filter(status__in=[RunStatus.PENDING, RunStatus.RUNNING])
+    timeout = settings.PLANNER_WHATIF_TIMEOUT_S
+    active.filter(created_at__lt=timezone.now() - timedelta(seconds=timeout)).update(
+        status=RunStatus.FAILED,
+        stage="",
+        message=f"not finished {timeout} s after it was created (PLANNER_WHATIF_TIMEOUT_S): taken as lost",
+        finished_at=timezone.now(),
+    )
+    limit = settings.PLANNER_WHATIF_MAX_RUNNING
+    running = active.count()
+    if running >= limit:
+        raise WhatIfBusy(
+            f"what-if runs already pending or running: {running}, the most at once (PLANNER_WHATIF_MAX_RUNNING "
+            f"is {limit}); start this one when one of them has finished"
+        )
 
 
 def whatif_progress(run_id: int, percent: int, stage: str) -> None:

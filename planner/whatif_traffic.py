@@ -25,6 +25,7 @@ import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
+from itertools import islice
 
 from .trace import TraceRequest, parse
 
@@ -73,11 +74,14 @@ def trace_from_rows(rows: Iterable[dict]) -> RecordedTrace:
     return RecordedTrace(requests, teams)
 
 
-def recorded_trace(*, deployment_id: int, since: datetime, until: datetime) -> RecordedTrace:
-    """The period's recorded requests of a deployment, as `manage.py export_trace` exports them."""
+def recorded_trace(
+    *, deployment_id: int, since: datetime, until: datetime, limit: int | None = None
+) -> RecordedTrace:
+    """The period's recorded requests of a deployment, as `manage.py export_trace` exports them: the first
+    `limit` of them in order of arrival where a limit is given (the rows beyond it are never read)."""
     from routing.metering.traffic_trace import export_rows
 
-    return trace_from_rows(export_rows(deployment_id=deployment_id, since=since, until=until))
+    return trace_from_rows(islice(export_rows(deployment_id=deployment_id, since=since, until=until), limit))
 
 
 def _unit(r: TraceRequest) -> str:
@@ -94,6 +98,24 @@ def copies_of(unit: str, factor: float, seed: str = SEED) -> int:
     return whole
 
 
+def unit_copies(trace: RecordedTrace, traffic: Traffic, seed: str = SEED) -> dict[str, int]:
+    """How many times each unit of the trace is replayed."""
+    copies: dict[str, int] = {}
+    for r in trace.requests:
+        unit = _unit(r)
+        if unit not in copies:
+            copies[unit] = copies_of(unit, traffic.factor(r.tenant, trace.teams.get(r.index)), seed)
+    return copies
+
+
+def held_blocks(trace: RecordedTrace, traffic: Traffic, seed: str = SEED) -> int:
+    """The block ids a what-if holds for the trace under the multipliers, counted before any copy is made: the
+    recording's once (the baseline replays it, and the changed fleet's first copy shares its ids) and each
+    further copy's own."""
+    copies = unit_copies(trace, traffic, seed)
+    return sum(len(r.hash_ids) * max(1, copies[_unit(r)]) for r in trace.requests)
+
+
 def multiply(trace: RecordedTrace, traffic: Traffic, seed: str = SEED) -> list[TraceRequest]:
     """The trace with each tenant's or team's traffic multiplied (see the module's docstring), in order of
     arrival, renumbered from 0."""
@@ -101,13 +123,10 @@ def multiply(trace: RecordedTrace, traffic: Traffic, seed: str = SEED) -> list[T
         return list(trace.requests)
     next_id = 1 + max((h for r in trace.requests for h in r.hash_ids), default=-1)
     renamed: dict[tuple[int, int], int] = {}
-    copies: dict[str, int] = {}
+    copies = unit_copies(trace, traffic, seed)
     out: list[tuple[float, int, int, TraceRequest]] = []
     for r in trace.requests:
-        unit = _unit(r)
-        if unit not in copies:
-            copies[unit] = copies_of(unit, traffic.factor(r.tenant, trace.teams.get(r.index)), seed)
-        for j in range(copies[unit]):
+        for j in range(copies[_unit(r)]):
             if j == 0:
                 out.append((r.arrival_s, r.index, 0, r))
                 continue

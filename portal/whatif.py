@@ -14,7 +14,7 @@ from django.utils import timezone
 from planner.models import WhatIfRun
 from planner.profile import profile_names
 from planner.sim import MODES
-from planner.whatif import WhatIfError, whatif_create
+from planner.whatif import WhatIfBusy, WhatIfError, whatif_create
 from serving.models import ModelDeployment, Pool, PoolRole
 from tenants.models import Team, Tenant
 
@@ -125,6 +125,7 @@ def whatif_index(request):
     status = 200
     if request.method == "POST":
         form = WhatIfForm(request.POST)
+        status = 400
         if form.is_valid():
             try:
                 run = whatif_create(
@@ -141,7 +142,9 @@ def whatif_index(request):
             except WhatIfError as exc:
                 for field, message in exc.errors.items():
                     form.add_error(None, f"{field}: {message}")
-        status = 400
+            except WhatIfBusy as exc:
+                form.add_error(None, str(exc))
+                status = 429
     else:
         now = timezone.now().replace(second=0, microsecond=0)
         form = WhatIfForm(initial={"since": now - timedelta(hours=1), "until": now})

@@ -118,15 +118,34 @@ def _database_url() -> str:
     return f"postgresql://{auth}@{quote(db['HOST'], safe='')}:{db['PORT']}/{quote(db['NAME'], safe='')}"
 
 
+def whatif_queue() -> str:
+    """The queue CELERY_TASK_ROUTES sends what-if runs to."""
+    from inference_platform.celery import app
+
+    return app.amqp.router.route({}, "planner.run_what_if")["queue"].name
+
+
 @pytest.fixture
 def celery_worker(transactional_db):
     from inference_platform.celery import app
 
     app.control.purge()
+    queues = ",".join(sorted({app.conf.task_default_queue, whatif_queue()}))
     log_file = Path(settings.STATE_DIR) / "test-whatif-worker.log"
     with log_file.open("wb") as log:
         worker = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "inference_platform", "worker", "--pool", "solo"]
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "inference_platform",
+                "worker",
+                "--pool",
+                "solo",
+                "-Q",
+                queues,
+            ]
             + ["--without-heartbeat", "--without-gossip", "--without-mingle", "--loglevel", "INFO"],
             env={**os.environ, "DATABASE_URL": _database_url()},
             cwd=settings.BASE_DIR,
@@ -280,6 +299,8 @@ BAD = [
     (lambda w, p: body(w, p, traffic={"teams": {str(w.team_a1.pk): 1000}}), "changes.traffic.teams.{team}"),
     (lambda w, p: body(w, p, traffic={"everyone": 2}), "changes.traffic"),
     (lambda w, p: body(w, p, traffic={"all": 5000}), "changes.traffic.all"),
+    # The period must be over: rows still arriving could grow the trace past the limits checked here.
+    (lambda w, p: {**body(w, p), "until": (timezone.now() + timedelta(minutes=5)).isoformat()}, "until"),
 ]
 
 
@@ -367,3 +388,165 @@ def test_a_run_records_its_changes_in_their_stored_form(world, client_for):
         "profile": "illustrative-8b-h100",
         "traffic": {"teams": {team: 0.5}, "all": 1.5},
     }
+
+
+# --- limits: runs at once, their queue, the block ids a run holds, the trace a run reads ---------------------------
+
+
+def test_runs_go_to_their_own_queue():
+    """Apart from reconcile, usage ingestion and the platform's other tasks, which a long run must not hold up."""
+    assert whatif_queue() == "whatif"
+
+
+def test_no_more_runs_at_once_than_the_limit_and_a_finished_run_frees_its_slot(world, client_for, settings):
+    from planner.tasks import run_what_if
+
+    settings.PLANNER_WHATIF_MAX_RUNNING = 2
+    period = record_traffic(world)
+    client = client_for(world.operator)
+    first, second = (client.post(API, body(world, period), format="json") for _ in range(2))
+    assert first.status_code == 201 and second.status_code == 201
+    WhatIfRun.objects.filter(pk=second.json()["id"]).update(status=RunStatus.RUNNING)
+
+    refused = client.post(API, body(world, period), format="json")
+    assert refused.status_code == 429, refused.content
+    assert "PLANNER_WHATIF_MAX_RUNNING is 2" in refused.json()["detail"]
+    assert WhatIfRun.objects.count() == 2
+
+    assert run_what_if(first.json()["id"]) == "succeeded"
+    assert client.post(API, body(world, period), format="json").status_code == 201
+    assert client.post(API, body(world, period), format="json").status_code == 429  # full again
+
+
+def test_a_run_lost_past_the_timeout_gives_its_slot_to_the_next(world, client_for, settings):
+    from planner.tasks import run_what_if
+
+    settings.PLANNER_WHATIF_MAX_RUNNING = 1
+    settings.PLANNER_WHATIF_TIMEOUT_S = 600
+    period = record_traffic(world)
+    client = client_for(world.operator)
+    lost = client.post(API, body(world, period), format="json").json()["id"]
+    WhatIfRun.objects.filter(pk=lost).update(
+        status=RunStatus.RUNNING, created_at=timezone.now() - timedelta(seconds=599)
+    )
+    assert client.post(API, body(world, period), format="json").status_code == 429  # not lost yet
+    WhatIfRun.objects.filter(pk=lost).update(created_at=timezone.now() - timedelta(seconds=601))
+    assert client.post(API, body(world, period), format="json").status_code == 201
+    run = WhatIfRun.objects.get(pk=lost)
+    assert run.status == RunStatus.FAILED and "PLANNER_WHATIF_TIMEOUT_S" in run.message
+    assert run_what_if(lost) == "not pending"  # its task, delivered late, does not run it
+
+
+def test_two_starts_at_once_cannot_both_take_the_last_slot(world, transactional_db, settings, monkeypatch):
+    """The second start waits for the first one's transaction, then counts its run."""
+    import threading
+
+    from django.db import connections, transaction
+
+    from planner.tasks import run_what_if
+    from planner.whatif import WhatIfBusy, whatif_create
+
+    monkeypatch.setattr(run_what_if, "delay", lambda run_id: None)  # no worker here
+    settings.PLANNER_WHATIF_MAX_RUNNING = 1
+    period = record_traffic(world)
+
+    def start():
+        return whatif_create(
+            deployment=world.deployment, since=period["since"], until=period["until"], changes={}
+        )
+
+    outcome: list = []
+
+    def second() -> None:
+        try:
+            outcome.append(start())
+        except WhatIfBusy as exc:
+            outcome.append(exc)
+        finally:
+            connections.close_all()
+
+    with transaction.atomic():
+        start()  # the first start, not committed yet
+        thread = threading.Thread(target=second)
+        thread.start()
+        deadline = time.monotonic() + 10
+        with connection.cursor() as cursor:
+            while thread.is_alive() and time.monotonic() < deadline:
+                cursor.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted")
+                if cursor.fetchone()[0]:
+                    break  # the second start waits for the lock
+                time.sleep(0.02)
+    thread.join(timeout=10)
+    assert len(outcome) == 1 and isinstance(outcome[0], WhatIfBusy), outcome
+    assert WhatIfRun.objects.count() == 1
+
+
+# The prompt blocks (one per 512 tokens) of one key's recorded requests.
+KEY_BLOCKS = SESSIONS * sum(-(-(1024 + 512 * turn + 50) // 512) for turn in range(TURNS))
+
+
+def test_a_period_over_the_block_limit_is_refused_at_creation(world, client_for, settings):
+    """Every copy a multiplier makes holds its own block ids: the limit counts them, not the requests."""
+    period = record_traffic(world)
+    held = 3 * KEY_BLOCKS  # A doubled; B once
+    doubled = body(world, period, traffic={"tenants": {str(world.tenant_a.pk): 2}})
+    client = client_for(world.operator)
+
+    settings.PLANNER_WHATIF_MAX_BLOCKS = held - 1
+    refused = client.post(API, doubled, format="json")
+    assert refused.status_code == 400, refused.content
+    assert (
+        f"{held} block ids" in refused.json()["until"]
+        and "PLANNER_WHATIF_MAX_BLOCKS" in refused.json()["until"]
+    )
+    assert client.post(API, body(world, period), format="json").status_code == 201  # unmultiplied, it fits
+
+    settings.PLANNER_WHATIF_MAX_BLOCKS = held
+    assert client.post(API, doubled, format="json").status_code == 201
+
+
+def test_the_block_limit_is_checked_again_before_the_copies_are_made(
+    world, client_for, settings, monkeypatch
+):
+    import planner.whatif
+    from planner.tasks import run_what_if
+
+    period = record_traffic(world)
+    held = 4 * KEY_BLOCKS  # A tripled; B once
+    traffic = {"tenants": {str(world.tenant_a.pk): 3}}
+    created = client_for(world.operator).post(API, body(world, period, traffic=traffic), format="json")
+    assert created.status_code == 201
+    settings.PLANNER_WHATIF_MAX_BLOCKS = held - 1  # lowered since
+    copied = []
+    monkeypatch.setattr(planner.whatif, "multiply", lambda *args, **kw: copied.append(args) or [])
+
+    assert run_what_if(created.json()["id"]) == "failed"
+    run = WhatIfRun.objects.get()
+    assert f"{held} block ids" in run.message and not copied
+
+
+def test_a_run_replays_the_period_as_counted_when_it_was_created(world, client_for):
+    """Entries drained into the period after the run was started are not replayed: the trace cannot grow past
+    the limits the run was checked against."""
+    from planner.tasks import run_what_if
+
+    period = record_traffic(world)
+    created = client_for(world.operator).post(API, body(world, period), format="json")
+    assert created.status_code == 201
+    for i in range(30):
+        TrafficTraceEntry.objects.create(
+            request_id=f"late-{i}",
+            arrived_at=period["since"] + timedelta(seconds=i),
+            deployment_id=world.deployment.pk,
+            tenant_id=world.tenant_a.pk,
+            team_id=world.team_a1.pk,
+            api_key_id=world.key_a1.api_key.pk,
+            prompt_tokens=600_000,
+            cached_tokens=0,
+            output_tokens=10,
+            block_size=world.deployment.block_size,
+        )
+    assert run_what_if(created.json()["id"]) == "succeeded"
+    run = WhatIfRun.objects.get()
+    assert run.trace_requests == period["requests"]
+    assert run.result["trace"]["recorded_requests"] == period["requests"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from planner.trace import TRACE_BLOCK_TOKENS, TraceRequest, ceiling
-from planner.whatif_traffic import RecordedTrace, Traffic, copies_of, multiply, trace_from_rows
+from planner.whatif_traffic import RecordedTrace, Traffic, copies_of, held_blocks, multiply, trace_from_rows
 
 pytestmark = pytest.mark.unit
 
@@ -117,6 +117,19 @@ def test_a_fractional_multiplier_above_one():
     draws = [copies_of(f"u{i}", 1.25) for i in range(2000)]
     assert set(draws) == {1, 2}
     assert 0.2 < draws.count(2) / 2000 < 0.3
+
+
+def test_the_block_ids_a_replay_holds_are_counted_before_the_copies_are_made():
+    """The recording's ids once (the baseline replays it, even a tenant multiplied by 0), and each further copy's
+    own: what the replays hold, whether the fraction drew a unit or not."""
+    trace = recorded()
+    blocks = sum(len(r.hash_ids) for r in trace.requests)
+    assert held_blocks(trace, Traffic()) == blocks
+    traffic = Traffic(tenants={"1": 2.5, "2": 0.0})
+    replayed = multiply(trace, traffic)
+    removed = of(trace.requests, "2")
+    assert held_blocks(trace, traffic) == sum(len(r.hash_ids) for r in replayed + removed)
+    assert held_blocks(trace, traffic) > blocks
 
 
 def test_export_rows_read_as_a_trace_with_their_teams():

@@ -4,9 +4,11 @@ figures beside the period's actual ones; operators only."""
 from __future__ import annotations
 
 import re
+from datetime import timedelta
 
 import pytest
 from django.test import Client
+from django.utils import timezone
 
 from planner.models import RunStatus, WhatIfRun
 from planner.tasks import run_what_if
@@ -168,7 +170,31 @@ def test_bad_input_is_refused_with_a_message(world, fields, message):
 
 def test_a_period_without_recorded_traffic_is_refused(world):
     period = record_traffic(world)
-    empty = {"since": period["until"], "until": period["until"].replace(year=period["until"].year + 1)}
+    empty = {"since": period["since"] - timedelta(days=2), "until": period["since"] - timedelta(days=1)}
     response = signed_in(world.operator).post(PAGE, form(world, empty))
     assert response.status_code == 400
     assert "no recorded traffic" in response.content.decode()
+
+
+def test_a_period_not_over_yet_is_refused(world):
+    period = record_traffic(world)
+    response = signed_in(world.operator).post(
+        PAGE, form(world, {**period, "until": timezone.now() + timedelta(hours=1)})
+    )
+    assert response.status_code == 400
+    assert "until: must not be in the future" in response.content.decode()
+    assert not WhatIfRun.objects.exists()
+
+
+def test_a_run_past_the_limit_at_once_is_refused_with_a_message(world, settings):
+    settings.PLANNER_WHATIF_MAX_RUNNING = 1
+    period = record_traffic(world)
+    client = signed_in(world.operator)
+    assert client.post(PAGE, form(world, period)).status_code == 302
+    response = client.post(PAGE, form(world, period))
+    assert response.status_code == 429
+    html = response.content.decode()
+    assert "already pending or running: 1" in html and "PLANNER_WHATIF_MAX_RUNNING is 1" in html
+    assert WhatIfRun.objects.count() == 1
+    assert run_what_if(WhatIfRun.objects.get().pk) == "succeeded"  # a finished run frees its slot
+    assert client.post(PAGE, form(world, period)).status_code == 302
