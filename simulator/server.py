@@ -14,8 +14,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import hmac
 import json
 import logging
+import os
 import time
 import uuid
 from collections import OrderedDict, deque
@@ -280,9 +282,23 @@ class ChatPrompt:
     tool_calls: int = 0  # the calls the conversation's assistant turns made
 
 
+# The paths vLLM's API key guards (its AuthenticationMiddleware); /health, /metrics, /tokenize, /invocations and
+# the rest answer without one, on vLLM as here.
+GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
+
+
+def _key_digests(keys: list[str] | None) -> list[bytes]:
+    """vLLM's keys: `--api-key` when given, else VLLM_API_KEY; none means no check."""
+    chosen = keys or [os.environ.get("VLLM_API_KEY", "")]
+    return [hashlib.sha256(key.encode()).digest() for key in chosen if key]
+
+
 class SimulatorApp:
-    def __init__(self, engine: Engine, tokenizer: ModelTokenizer, model: ServedModel):
+    def __init__(
+        self, engine: Engine, tokenizer: ModelTokenizer, model: ServedModel, api_keys: list[str] | None = None
+    ):
         self.engine = engine
+        self._key_digests = _key_digests(api_keys)
         self.tokenizer = tokenizer
         self.model = model
         self.fingerprint = (
@@ -300,7 +316,9 @@ class SimulatorApp:
         self.traceparents: deque[dict] = deque(maxlen=256)
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=256 * 1024 * 1024, middlewares=[self._note_traceparent])
+        app = web.Application(
+            client_max_size=256 * 1024 * 1024, middlewares=[self._authenticate, self._note_traceparent]
+        )
         app.router.add_get("/debug/traceparents", self.debug_traceparents)
         app.router.add_get("/health", self.health)
         app.router.add_get("/ping", self.health)
@@ -325,6 +343,19 @@ class SimulatorApp:
         app.router.add_get("/v1/responses/{response_id}", self.stored_response)
         app.router.add_post("/v1/responses/{response_id}/cancel", self.stored_response)
         return app
+
+    @web.middleware
+    async def _authenticate(self, request: web.Request, handler):
+        """As vLLM started with an API key: a guarded path without `Authorization: Bearer <key>` is a 401."""
+        if self._key_digests and request.method != "OPTIONS" and request.path.startswith(GUARDED_PREFIXES):
+            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+            digest = hashlib.sha256(token.encode()).digest()
+            matched = False
+            for known in self._key_digests:
+                matched |= hmac.compare_digest(digest, known)
+            if scheme.lower() != "bearer" or not matched:
+                return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
 
     @web.middleware
     async def _note_traceparent(self, request: web.Request, handler):
