@@ -143,6 +143,9 @@ class Router:
                     settings.ROUTER_TRACES_ENDPOINT,
                     settings.ROUTER_TRACES_SAMPLE_RATIO,
                     settings.ROUTER_TRACES_SERVICE_NAME,
+                    follow_client=settings.ROUTER_TRACES_FOLLOW_CLIENT_SAMPLING,
+                    max_attributes=settings.ROUTER_TRACES_MAX_ATTRIBUTES,
+                    max_attribute_length=settings.ROUTER_TRACES_MAX_ATTRIBUTE_LENGTH,
                 )
                 if tracing.ON:
                     tracing.instrument(self)

@@ -313,6 +313,42 @@ def check_field_types(payload: dict, path: str) -> None:
         _check_type(options.get(field), kind, f"stream_options.{field}")
 
 
+STOP_FIELDS = ("stop", "stop_sequences")  # OpenAI's routes and Responses; Anthropic's messages
+
+
+def check_stop(payload: dict, max_sequences: int, max_bytes: int) -> None:
+    """Refuse (400) stop sequences that are not strings, or more of them than `max_sequences`, or more UTF-8 bytes
+    in all than `max_bytes` (ROUTER_MAX_STOP_SEQUENCES, ROUTER_MAX_STOP_BYTES): the engine matches each against
+    the answer as it grows, and nothing else bounds them but the body's size."""
+    for field in STOP_FIELDS:
+        value = payload.get(field)
+        if value is None:
+            continue
+        sequences = [value] if isinstance(value, str) and field == "stop" else value
+        if not isinstance(sequences, list):
+            kind = "a string or an array of strings" if field == "stop" else "an array of strings"
+            raise HttpError(400, f"`{field}` must be {kind}, not {_json_type(value)}.", field)
+        for index, sequence in enumerate(sequences):
+            if not isinstance(sequence, str):
+                raise HttpError(
+                    400, f"`{field}[{index}]` must be a string, not {_json_type(sequence)}.", field
+                )
+        if len(sequences) > max_sequences:
+            raise HttpError(
+                400,
+                f"`{field}` holds {len(sequences)} stop sequences; the limit is {max_sequences}. Send fewer.",
+                field,
+            )
+        size = sum(len(sequence.encode(errors="surrogatepass")) for sequence in sequences)
+        if size > max_bytes:
+            raise HttpError(
+                400,
+                f"`{field}` holds {size} bytes of stop sequences (UTF-8); the limit is {max_bytes}. "
+                "Send shorter or fewer.",
+                field,
+            )
+
+
 def _check_type(value, kind: str, field: str) -> None:
     if value is None:
         return

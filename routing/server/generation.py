@@ -35,6 +35,7 @@ from routing.server.assemble import assembles
 from routing.server.checks import (
     ClientGone,
     HttpError,
+    check_stop,
     deployment_for,
     dumps,
     engine_fields,
@@ -184,6 +185,7 @@ async def check(
         router.max_choices,
         router.prefix,
     )
+    check_stop(payload, settings.ROUTER_MAX_STOP_SEQUENCES, settings.ROUTER_MAX_STOP_BYTES)
     stream = bool(payload.get("stream"))
     options = payload.get("stream_options") or {}
     if options and not stream:

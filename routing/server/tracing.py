@@ -12,14 +12,25 @@ gen_ai.usage.*, gen_ai.response.finish_reasons), and a child span per step of ro
     router.flow_wait      router.pick    <operation> <model> (CLIENT, one per engine attempt; router.first_token)
     router.settle
 
-Sampling is parent-based: a client's `traceparent` decides for its request, else ROUTER_TRACES_SAMPLE_RATIO of
-the trace ids are kept. An unsampled request gets no child spans at all. Either way the engine is sent the W3C
-`traceparent` of the attempt (vLLM started with --otlp-traces-endpoint exports its own spans under it) and the
-client gets the request's `traceparent` back in the answer's headers. Settings: README, "Traces".
+Sampling is the operator's: ROUTER_TRACES_SAMPLE_RATIO of the requests are kept, whatever a client's `traceparent`
+asks. Its trace id is continued, but neither its sampled flag nor its trace id (the client chose both) decides:
+a request that comes with one is kept on a draw of the router's own. Only with ROUTER_TRACES_FOLLOW_CLIENT_SAMPLING
+does a client's flag decide for its request. A client's `tracestate` is not taken (its entries would ride on every
+span). An unsampled request gets no child spans at all. Either way the engine is sent the W3C `traceparent` of the
+attempt (vLLM started with --otlp-traces-endpoint exports its own spans under it) and the client gets the request's
+`traceparent` back in the answer's headers.
+
+What a span holds is bounded, as spans wait in the exporter's queue (up to OTEL_BSP_MAX_QUEUE_SIZE, 2,048): the
+provider's SpanLimits cap the attributes per span and the characters of each string value, and only small values
+are recorded, never a request's content: numbers, names from the router's own tables, the count of the stop
+sequences and not the sequences. Before the key is authenticated, the root span holds only the method, the route
+and the trace context; the request's fields are recorded once `check` has passed (its key, and the bounds on the
+fields, such as ROUTER_MAX_STOP_SEQUENCES). Settings: README, "Traces".
 """
 
 from __future__ import annotations
 
+import random
 import re
 from contextlib import nullcontext
 from contextvars import ContextVar
@@ -47,6 +58,7 @@ FINISH_REASON = re.compile(rb'"(?:finish|stop)_reason"\s*:\s*"([A-Za-z_]+)"')
 RESPONSE_ID = re.compile(rb'"id"\s*:\s*"([^"\\]{1,200})"')
 RESPONSE_MODEL = re.compile(rb'"model"\s*:\s*"([^"\\]{1,200})"')
 HEAD_BYTES = 4096
+MAX_FINISH_REASONS = 8  # distinct reasons kept (an answer has at most ROUTER_MAX_CHOICES choices)
 # Request fields recorded as the GenAI conventions name them.
 REQUEST_FIELDS = (
     ("max_tokens", "gen_ai.request.max_tokens"),
@@ -61,9 +73,17 @@ REQUEST_FIELDS = (
 )
 
 
-def configure(endpoint: str, ratio: float, service_name: str) -> None:
-    """Export spans to `endpoint` (OTLP/HTTP, protobuf) in batches, keeping `ratio` of the root traces. An empty
-    endpoint leaves tracing off."""
+def configure(
+    endpoint: str,
+    ratio: float,
+    service_name: str,
+    *,
+    follow_client: bool = False,
+    max_attributes: int = 64,
+    max_attribute_length: int = 256,
+) -> None:
+    """Export spans to `endpoint` (OTLP/HTTP, protobuf) in batches, keeping `ratio` of the requests (see
+    `tracer_provider`). An empty endpoint leaves tracing off."""
     global ON, _tracer, _provider, _otel
     if not endpoint or ON:
         return
@@ -71,15 +91,15 @@ def configure(endpoint: str, ratio: float, service_name: str) -> None:
 
     from opentelemetry import context, trace
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-    from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
-    from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-    _provider = TracerProvider(
-        sampler=ParentBased(TraceIdRatioBased(ratio)),
-        resource=Resource.create({"service.name": service_name}),
+    _provider = tracer_provider(
+        ratio,
+        service_name,
+        follow_client=follow_client,
+        max_attributes=max_attributes,
+        max_attribute_length=max_attribute_length,
     )
     _provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
     _tracer = _provider.get_tracer("inference_platform.routing")
@@ -93,6 +113,50 @@ def configure(endpoint: str, ratio: float, service_name: str) -> None:
         propagator=TraceContextTextMapPropagator(),
     )
     ON = True
+
+
+def tracer_provider(
+    ratio: float, service_name: str, *, follow_client: bool, max_attributes: int, max_attribute_length: int
+):
+    """The router's TracerProvider, with no span processor yet: the operator's sampling (`sampler`), and SpanLimits
+    on what any span, event or link may hold (the SDK's own default bounds the count but not a string's length)."""
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import SpanLimits, TracerProvider
+
+    limits = SpanLimits(
+        max_attributes=max_attributes,
+        max_attribute_length=max_attribute_length,
+        max_events=16,  # an attempt's exception, at most
+        max_links=16,  # none are made
+    )
+    return TracerProvider(
+        sampler=sampler(ratio, follow_client),
+        resource=Resource.create({"service.name": service_name}),
+        span_limits=limits,
+    )
+
+
+def sampler(ratio: float, follow_client: bool):
+    """`ratio` of the requests, parent-based within the router (a request's spans share its root's decision). A
+    client's remote parent decides only with `follow_client`; else its request is kept on a draw of the router's:
+    an anonymous client could otherwise have its requests exported at ratio 0, a tenant keep its own out of the
+    operator's traces, or either choose a trace id that `TraceIdRatioBased` keeps or drops."""
+    from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+
+    if follow_client:
+        return ParentBased(TraceIdRatioBased(ratio))
+
+    class Drawn(TraceIdRatioBased):
+        """TraceIdRatioBased on a random number instead of the (client's) trace id."""
+
+        def should_sample(self, parent_context, trace_id, *args, **kwargs):
+            return super().should_sample(parent_context, random.getrandbits(64), *args, **kwargs)
+
+        def get_description(self) -> str:
+            return f"Drawn{{{self.rate}}}"
+
+    drawn = Drawn(ratio)
+    return ParentBased(TraceIdRatioBased(ratio), remote_parent_sampled=drawn, remote_parent_not_sampled=drawn)
 
 
 def shutdown() -> None:
@@ -152,11 +216,13 @@ class RequestTrace:
 
 
 def begin(scope: dict) -> RequestTrace:
-    """The root span of a generation request, made current; the caller ends it with `end`."""
+    """The root span of a generation request, made current; the caller ends it with `end`. The key is not checked
+    yet: only the method, the route (one of the router's own) and the client's trace id, of fixed size, are
+    recorded."""
     carrier = {}
     for name, value in scope["headers"]:
-        if name in (b"traceparent", b"tracestate"):
-            carrier[name.decode()] = value.decode("latin-1")
+        if name == b"traceparent":
+            carrier["traceparent"] = value.decode("latin-1")
     parent = _otel.propagator.extract(carrier) if carrier else None
     path = scope["path"]
     root = _tracer.start_span(
@@ -190,7 +256,8 @@ def span(name: str):
 
 
 def checked(checked, request_id: str) -> None:
-    """The request's model and sampling fields, and who sent it, once `check` passed."""
+    """The request's model and sampling fields, and who sent it, once `check` passed (the key authenticated, the
+    fields within their bounds): numbers and names, never the request's text."""
     request = _current.get()
     if request is None or not request.recording:
         return
@@ -204,10 +271,8 @@ def checked(checked, request_id: str) -> None:
         if isinstance(value, int | float) and not isinstance(value, bool):
             root.set_attribute(attribute, value)
     stop = payload.get("stop") or payload.get("stop_sequences")
-    if isinstance(stop, str):
-        stop = [stop]
-    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        root.set_attribute("gen_ai.request.stop_sequences", stop)
+    if stop:  # how many, not what they say (a request's content, and up to ROUTER_MAX_STOP_BYTES)
+        root.set_attribute("router.stop_sequences", 1 if isinstance(stop, str) else len(stop))
     n = payload.get("n")
     if isinstance(n, int) and n > 1:
         root.set_attribute("gen_ai.request.choice.count", n)
@@ -299,7 +364,7 @@ def saw(data: bytes) -> None:
             request.response_model = model.group(1).decode(errors="replace")
     for match in FINISH_REASON.finditer(data):
         reason = match.group(1).decode()
-        if reason not in request.finish_reasons:
+        if reason not in request.finish_reasons and len(request.finish_reasons) < MAX_FINISH_REASONS:
             request.finish_reasons.append(reason)
 
 

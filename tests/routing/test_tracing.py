@@ -3,13 +3,15 @@
 A real router process in front of the simulator engines; the receiver decodes each export with
 opentelemetry-proto's classes. Checked: the span tree of a streamed and of an unstreamed request (names, parents,
 the GenAI attributes, token counts equal to the usage event's), the traceparent the engine receives (the simulator
-records it) and the one the client gets back, parent-based sampling at ratio 0, and nothing at all when off.
+records it) and the one the client gets back, the operator's sampling whatever a client's traceparent asks (unless
+the operator follows clients), and nothing at all when off.
 """
 
 from __future__ import annotations
 
 import gzip
 import http.server
+import os
 import threading
 import time
 
@@ -30,7 +32,7 @@ from .test_engine_errors import HostileEngine
 from .usage import usage_events
 
 CHAT = [{"role": "system", "content": "You review code. " * 40}, {"role": "user", "content": "Review f()."}]
-# A client's own trace context, sampled: parent-based sampling follows it whatever the ratio.
+# A client's own trace context.
 CLIENT_TRACE = "5f1c0a9e3b7d4c2a8e6f0b1d3c5a7e9f"
 CLIENT_PARENT = "a1b2c3d4e5f60718"
 
@@ -197,7 +199,7 @@ def test_it_traces_a_request_through_the_router_into_the_engine(transactional_db
     assert (sent_trace, sent_parent) == (trace_id, attempt.span_id.hex()) and sampled(sent_flags)
 
 
-def test_it_samples_nothing_at_ratio_zero_but_follows_a_sampled_client(transactional_db, sim_pair, receiver):
+def test_it_samples_nothing_at_ratio_zero_even_for_a_client_that_asks(transactional_db, sim_pair, receiver):
     fleet = traced_fleet(
         sim_pair,
         {"ROUTER_TRACES_ENDPOINT": f"{receiver.url}/v1/traces", "ROUTER_TRACES_SAMPLE_RATIO": "0"},
@@ -205,10 +207,12 @@ def test_it_samples_nothing_at_ratio_zero_but_follows_a_sampled_client(transacti
     )
     try:
         unsampled = [chat(fleet, stream) for stream in (True, False)]
+        # A client's sampled flag does not decide (an anonymous one could otherwise have traces exported).
+        asked = chat(fleet, True, {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_PARENT}-01"})
         time.sleep(1.0)  # five export periods
         assert receiver.spans == [] and receiver.posts == 0
         # Not sampled, still propagated: the client and the engine get the same trace id, flagged unsampled.
-        for response in unsampled:
+        for response in [*unsampled, asked]:
             _, trace_id, _, flags = response.headers["traceparent"].split("-")
             assert not sampled(flags)
             (sent,) = [
@@ -216,16 +220,72 @@ def test_it_samples_nothing_at_ratio_zero_but_follows_a_sampled_client(transacti
             ]
             _, sent_trace, _, sent_flags = sent["traceparent"].split("-")
             assert sent_trace == trace_id and not sampled(sent_flags)
+        assert asked.headers["traceparent"].split("-")[1] == CLIENT_TRACE  # the client's trace, continued
+    finally:
+        fleet.router.stop()
 
-        # A client that samples its own trace is followed (parent-based), under its trace and span.
-        response = chat(fleet, True, {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_PARENT}-01"})
-        assert response.headers["traceparent"].split("-")[1] == CLIENT_TRACE
+
+def test_it_traces_a_client_that_asks_not_to_be_at_ratio_one(transactional_db, sim_pair, receiver):
+    fleet = traced_fleet(sim_pair, {"ROUTER_TRACES_ENDPOINT": f"{receiver.url}/v1/traces"}, precise=False)
+    try:
+        response = chat(fleet, True, {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_PARENT}-00"})
+        _, trace_id, _, flags = response.headers["traceparent"].split("-")
+        assert trace_id == CLIENT_TRACE and sampled(flags)
         spans = receiver.trace(CLIENT_TRACE)
     finally:
         fleet.router.stop()
     (root,) = [s for s in spans[f"chat {MODEL_NAME}"] if s.kind == Span.SPAN_KIND_SERVER]
+    assert root.parent_span_id.hex() == CLIENT_PARENT  # under the client's own span
+    assert "router.admit" in spans and "router.pick" in spans
+
+
+def traced_with(fleet, trace_id: str, flag: str) -> bool:
+    """Whether the router sampled a request sent under the client's `trace_id` with its sampled `flag`."""
+    parent = os.urandom(8).hex()
+    response = chat(fleet, False, {"traceparent": f"00-{trace_id}-{parent}-{flag}"})
+    _, continued, _, flags = response.headers["traceparent"].split("-")
+    assert continued == trace_id
+    return sampled(flags)
+
+
+def test_a_client_s_trace_id_does_not_choose_its_sampling(transactional_db, sim_pair, receiver):
+    """At ratio 0.5, the trace ids whose low half TraceIdRatioBased would always keep (0), or always drop (all
+    ones), are kept about half the time each: the router draws for them."""
+    fleet = traced_fleet(
+        sim_pair,
+        {"ROUTER_TRACES_ENDPOINT": f"{receiver.url}/v1/traces", "ROUTER_TRACES_SAMPLE_RATIO": "0.5"},
+        precise=False,
+    )
+    try:
+        kept_low = [traced_with(fleet, f"{n + 1:016x}{0:016x}", "01") for n in range(16)]
+        kept_high = [traced_with(fleet, f"{n + 1:016x}{'f' * 16}", "00") for n in range(16)]
+    finally:
+        fleet.router.stop()
+    # Each fails by chance once in 65,536 runs.
+    assert not all(kept_low) and any(kept_high), (kept_low, kept_high)
+
+
+def test_it_follows_a_client_s_flag_where_the_operator_says_so(transactional_db, sim_pair, receiver):
+    fleet = traced_fleet(
+        sim_pair,
+        {
+            "ROUTER_TRACES_ENDPOINT": f"{receiver.url}/v1/traces",
+            "ROUTER_TRACES_SAMPLE_RATIO": "0.5",
+            "ROUTER_TRACES_FOLLOW_CLIENT_SAMPLING": "true",
+        },
+        precise=False,
+    )
+    try:
+        asked = [traced_with(fleet, f"{n + 1:016x}{'f' * 16}", "01") for n in range(8)]
+        declined = [traced_with(fleet, f"{n + 1:016x}{0:016x}", "00") for n in range(8)]
+        response = chat(fleet, True, {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_PARENT}-01"})
+        spans = receiver.trace(CLIENT_TRACE)
+    finally:
+        fleet.router.stop()
+    assert all(asked) and not any(declined)
+    assert sampled(response.headers["traceparent"].split("-")[3])
+    (root,) = [s for s in spans[f"chat {MODEL_NAME}"] if s.kind == Span.SPAN_KIND_SERVER]
     assert root.parent_span_id.hex() == CLIENT_PARENT
-    assert {s.trace_id.hex() for s in receiver.spans} == {CLIENT_TRACE}
 
 
 def test_it_exports_and_propagates_nothing_when_off(transactional_db, sim_pair, receiver):
