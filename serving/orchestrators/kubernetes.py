@@ -104,6 +104,17 @@ def _pod_health(pod: dict) -> str:
     return Health.UNHEALTHY if restarted else Health.STARTING
 
 
+def _unschedulable(pod: dict) -> str | None:
+    """The scheduler's reason when it found no node for the pod (e.g. "0/68 nodes are available: 68
+    Insufficient nvidia.com/gpu."), else None."""
+    if pod.get("spec", {}).get("nodeName"):
+        return None
+    for condition in (pod.get("status") or {}).get("conditions") or []:
+        if condition.get("type") == "PodScheduled" and condition.get("reason") == "Unschedulable":
+            return (condition.get("message") or "no node has room").split(" preemption:")[0].rstrip(". ")
+    return None
+
+
 class KubernetesOrchestrator(Orchestrator):
     kind = OrchestratorKind.KUBERNETES
 
@@ -245,8 +256,16 @@ class KubernetesOrchestrator(Orchestrator):
     # --- what runs ---------------------------------------------------------------------------------------
 
     def _read_endpoints(self, deployment: ModelDeployment, namespace: str) -> bool:
-        """One Endpoint per serving pod that has an IP; returns whether any row changed."""
+        """One Endpoint per serving pod that has an IP; returns whether any row changed. Pods the scheduler
+        could not place are kept, per pool, for the summary."""
         pods = self.api.list("v1", "Pod", namespace, _selector(deployment.pk))
+        self._unschedulable = {}
+        for pod in pods:
+            reason = _unschedulable(pod)
+            if reason is not None:
+                pool = pod["metadata"].get("labels", {}).get(render.LABEL_POOL, "")
+                count, _ = self._unschedulable.get(pool, (0, ""))
+                self._unschedulable[pool] = (count + 1, reason)
         changed = False
         for pool in deployment.pools.all():
             serving = [
@@ -322,16 +341,23 @@ class KubernetesOrchestrator(Orchestrator):
                 workloads[obj["metadata"]["labels"].get(render.LABEL_POOL)] = obj
         lines, ready_pools, any_ready = [], 0, False
         pools = list(deployment.pools.all())
+        unschedulable = getattr(self, "_unschedulable", {})
         for pool in pools:
             status = (workloads.get(pool.name) or {}).get("status") or {}
             ready = int(status.get("readyReplicas") or 0)
             any_ready |= ready > 0
             ready_pools += ready >= pool.replicas
-            lines.append(f"{pool.name}: {ready} of {pool.replicas} replicas ready")
+            line = f"{pool.name}: {ready} of {pool.replicas} replicas ready"
+            if pool.name in unschedulable:
+                count, reason = unschedulable[pool.name]
+                line += f", {count} cannot be scheduled ({reason})"
+            lines.append(line)
         message = "; ".join([*lines, *notes]) + "."
         if ready_pools == len(pools):
             return ReconcileResult(ObservedStatus.READY, message, endpoints)
-        status = ObservedStatus.DEGRADED if any_ready else ObservedStatus.PROGRESSING
+        # Pods the cluster has no room for wait for capacity, not for a start: degraded, not "progressing".
+        stuck = any(pool.name in unschedulable for pool in pools)
+        status = ObservedStatus.DEGRADED if any_ready or stuck else ObservedStatus.PROGRESSING
         return ReconcileResult(status, message, endpoints, settling=True)
 
     # --- deployments that are gone -----------------------------------------------------------------------

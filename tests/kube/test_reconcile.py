@@ -1,0 +1,137 @@
+"""The kubernetes orchestrator's reconcile against a real control plane, with the worker's own ServiceAccount
+token: what it applies is validated and merged by the real API server, the ReplicaSet controller makes the pods,
+the scheduler binds them by their GPU requests, and the kubelet stand-in starts each pod's engine (the simulator,
+from the rendered container command) on the pod's own address, so the endpoints the reconcile reads back are
+engines that answer."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+from kubernetes import client, config
+
+from serving import services
+from serving.engine_keys import engine_api_key
+from serving.models import Endpoint, Health, ModelDeployment, ObservedStatus, OrchestratorKind, Pool
+from serving.orchestrators import kube_render as render
+
+from .harness import service_account_token
+
+pytestmark = [pytest.mark.kube, pytest.mark.kubectl, pytest.mark.django_db(transaction=True)]
+
+NAMESPACE = "inference"
+
+
+@pytest.fixture
+def worker_cluster(platform_installed, kube_admin, tmp_path, settings):
+    """The orchestrator's settings pointed at the real API server with the worker pod's token."""
+    token = service_account_token(kube_admin, "inference-platform", "orchestrator")
+    path = platform_installed.kubeconfig_for(tmp_path / "worker.kubeconfig", "orchestrator", token)
+    settings.KUBERNETES_KUBECONFIG = str(path)
+    settings.KUBERNETES_CONTEXT = None
+    settings.KUBERNETES_NAMESPACE = NAMESPACE
+    settings.KUBERNETES_NAMESPACES = [NAMESPACE]
+    settings.KUBERNETES_PRESTOP_SLEEP_S = 0
+    return config.new_client_from_config(config_file=str(path))
+
+
+def sim_deployment(name: str, *, replicas: int, gpus: int) -> ModelDeployment:
+    deployment = ModelDeployment.objects.create(
+        name=name,
+        served_model_name=name,
+        model_source="models/tiny-qwen",
+        engine_kind="sim",
+        orchestrator=OrchestratorKind.KUBERNETES,
+    )
+    Pool.objects.create(
+        deployment=deployment,
+        name="main",
+        replicas=replicas,
+        gpus_per_replica=gpus,
+        tensor_parallel_size=gpus,
+    )
+    return deployment
+
+
+def reconcile(deployment: ModelDeployment):
+    result = services.deployment_reconcile(deployment_id=deployment.pk)
+    deployment.refresh_from_db()
+    return result
+
+
+def reconcile_until(deployment: ModelDeployment, done, timeout: float = 120.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        result = reconcile(deployment)
+        if done(result):
+            return result
+        assert time.monotonic() < deadline, f"not there within {timeout} s: {result}"
+        time.sleep(0.5)
+
+
+def pods(kube_admin, deployment: ModelDeployment) -> list[client.V1Pod]:
+    selector = f"{render.LABEL_DEPLOYMENT_ID}={deployment.pk}"
+    return client.CoreV1Api(kube_admin).list_namespaced_pod(NAMESPACE, label_selector=selector).items
+
+
+def remove(deployment: ModelDeployment, kube_admin) -> None:
+    """Delete the deployment as an operator does, and wait until its pods are gone (their engines stopped)."""
+    pk = deployment.pk
+    deployment.delete()
+    services.engines_sweep()
+    deadline = time.monotonic() + 60
+    selector = f"{render.LABEL_DEPLOYMENT_ID}={pk}"
+    core = client.CoreV1Api(kube_admin)
+    while core.list_namespaced_pod(NAMESPACE, label_selector=selector).items:
+        assert time.monotonic() < deadline, "the deployment's pods were not deleted"
+        time.sleep(0.5)
+
+
+def test_a_deployment_is_scheduled_by_gpu_and_its_engines_answer(worker_cluster, kube_admin, nodes, kubelet):
+    first, second = nodes.make(2, gpus=8)
+    deployment = sim_deployment("kube-sim", replicas=2, gpus=8)
+    try:
+        result = reconcile_until(deployment, lambda r: r.status == ObservedStatus.READY)
+        assert "2 of 2 replicas ready" in result.message
+        placed = pods(kube_admin, deployment)
+        # 8 GPUs each on 8-GPU nodes: one pod per node.
+        assert sorted(pod.spec.node_name for pod in placed) == [first, second]
+        endpoints = list(Endpoint.objects.filter(pool__deployment=deployment))
+        assert sorted(e.url for e in endpoints) == sorted(
+            f"http://{pod.status.pod_ip}:8000" for pod in placed
+        )
+        assert {e.health for e in endpoints} == {Health.HEALTHY}
+        key = engine_api_key(deployment.pk)
+        for endpoint in endpoints:
+            models = httpx.get(
+                f"{endpoint.url}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=10
+            )
+            assert models.status_code == 200, models.text
+            assert [m["id"] for m in models.json()["data"]] == ["kube-sim"]
+            assert httpx.get(f"{endpoint.url}/v1/models", timeout=10).status_code == 401
+        # Level-triggered and idempotent: with nothing changed, nothing is written.
+        again = reconcile(deployment)
+        assert "applied" not in again.message and "deleted" not in again.message, again.message
+    finally:
+        remove(deployment, kube_admin)
+
+
+def test_pods_past_the_gpus_the_nodes_hold_stay_pending_and_the_status_says_so(
+    worker_cluster, kube_admin, nodes, kubelet
+):
+    nodes.make(1, gpus=8)
+    deployment = sim_deployment("kube-full", replicas=2, gpus=8)
+    try:
+        result = reconcile_until(
+            deployment, lambda r: "cannot be scheduled" in r.message and "1 of 2 replicas ready" in r.message
+        )
+        assert result.status == ObservedStatus.DEGRADED
+        assert "GPU" in result.message or "nvidia.com/gpu" in result.message, result.message
+        pending = [pod for pod in pods(kube_admin, deployment) if not pod.spec.node_name]
+        assert len(pending) == 1
+        (scheduled,) = [c for c in pending[0].status.conditions if c.type == "PodScheduled"]
+        assert (scheduled.status, scheduled.reason) == ("False", "Unschedulable")
+    finally:
+        remove(deployment, kube_admin)
