@@ -25,6 +25,9 @@ REFUSALS = {
     "deactivated": "Your organisation's account on this platform is deactivated; ask the platform operator to "
     "reactivate it.",
     "failed": "The identity provider did not sign you in. Try again, or ask the platform operator.",
+    "ended": "Your sign-in at the identity provider has ended, so your session here has too. Sign in again.",
+    "stale": "This page does not answer a sign-in started in this browser (it may be an old or copied link), so "
+    "it was ignored. Nothing was changed: if you were signed in, you still are. To sign in, start again.",
 }
 TEAM_ROLE_RANK = {Role.TEAM_ADMIN: 0, Role.MEMBER: 1}
 

@@ -24,12 +24,25 @@ def sign_in_start(request):
     return OIDCAuthenticationRequestView.as_view()(request)
 
 
+# The provider's answers to a prompt=none check (sso/refresh.py) that mean it no longer vouches for the person.
+SESSION_ENDED = {"login_required", "interaction_required", "consent_required", "account_selection_required"}
+
+
 class CallbackView(OIDCAuthenticationCallbackView):
+    def get(self, request):
+        # Only the answer to a sign-in or check this browser started (its state is in the session) may change who
+        # is signed in here: otherwise any page could sign the person out by linking to this address.
+        if request.GET.get("state") not in request.session.get("oidc_states", {}):
+            return _refused_page(request, "stale", status=400)
+        return super().get(request)
+
     def login_failure(self):
         # A refused sign-in ends any session this browser had: who is signed in must not depend on it.
         if self.request.user.is_authenticated:
             auth.logout(self.request)
-        code = getattr(self.request, "sso_refusal", "failed")
+        code = getattr(self.request, "sso_refusal", None)
+        if code is None:
+            code = "ended" if self.request.GET.get("error") in SESSION_ENDED else "failed"
         return HttpResponseRedirect(f"{reverse('sso:refused')}?{urlencode({'reason': code})}")
 
 
@@ -40,11 +53,14 @@ def sign_in_callback(request):
 
 
 def refused(request):
-    reason = request.GET.get("reason")
+    return _refused_page(request, request.GET.get("reason"), status=403)
+
+
+def _refused_page(request, reason: str | None, *, status: int):
     message = REFUSALS.get(reason, REFUSALS["failed"])
     return render(
         request,
         "sso/refused.html",
         {"message": message, "provider": settings.OIDC_PROVIDER_NAME, "sso_enabled": sso_enabled()},
-        status=403,
+        status=status,
     )

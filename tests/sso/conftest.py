@@ -49,6 +49,10 @@ class Provider:
             groups=groups,
         )
 
+    def regroup(self, username: str, groups: list[str]) -> None:
+        """Changes someone's groups without signing them out at the provider (person() does)."""
+        self.control(action="groups", username=username, groups=groups)
+
     def remove(self, username: str) -> None:
         self.control(action="remove", username=username)
 

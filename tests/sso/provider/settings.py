@@ -46,3 +46,10 @@ OAUTH2_PROVIDER = {
     },
     "OAUTH2_VALIDATOR_CLASS": "tests.sso.provider.validator.GroupsValidator",
 }
+# A failure inside the provider shows its traceback in provider.log (the test's temporary folder).
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "loggers": {"django.request": {"handlers": ["console"], "level": "ERROR"}},
+}

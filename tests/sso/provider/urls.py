@@ -10,7 +10,7 @@ from oauth2_provider.models import Application
 
 @csrf_exempt
 def control(request):
-    """The test's hand on the provider's directory: register the client, put or remove a person."""
+    """The test's hand on the provider's directory: register the client, put, move or remove a person."""
     body = json.loads(request.body)
     action = body["action"]
     if action == "client":
@@ -28,9 +28,13 @@ def control(request):
     elif action == "person":
         user, _ = User.objects.get_or_create(username=body["username"])
         user.email = body.get("email", "")
-        user.set_password(body["password"])
+        user.set_password(body["password"])  # which also signs them out at the provider
         user.save()
         user.groups.set([Group.objects.get_or_create(name=name)[0] for name in body["groups"]])
+    elif action == "groups":  # as a directory's admin moves someone: their session at the provider goes on
+        User.objects.get(username=body["username"]).groups.set(
+            [Group.objects.get_or_create(name=name)[0] for name in body["groups"]]
+        )
     elif action == "remove":
         User.objects.filter(username=body["username"]).delete()
     return JsonResponse({"ok": True})
