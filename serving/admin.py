@@ -1,13 +1,33 @@
 from django.contrib import admin
+from django.core.exceptions import ValidationError
+from django.forms.models import BaseInlineFormSet
 
 from tenants.admin_audit import AuditedAdmin, ReadOnlyAdmin
 
 from . import services
+from .model_length import max_model_len_check
 from .models import AutoscalingPolicy, Endpoint, EndpointLifetime, ModelDeployment, Pool, ScalingEvent
+
+
+class PoolFormSet(BaseInlineFormSet):
+    def clean(self):
+        """The deployment's max_model_len is checked here, where both it (the formset's instance, with the
+        form's values) and the pools it will have (their engine arguments can lengthen the model) are known."""
+        super().clean()
+        pools = [
+            form.cleaned_data
+            for form in self.forms
+            if form.cleaned_data and not self._should_delete_form(form)
+        ]
+        try:
+            max_model_len_check(self.instance, pools)
+        except ValidationError as exc:
+            raise ValidationError(exc.messages) from exc
 
 
 class PoolInline(admin.StackedInline):
     model = Pool
+    formset = PoolFormSet
     extra = 0
     fieldsets = [
         (None, {"fields": [("name", "role", "replicas")]}),

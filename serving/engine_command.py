@@ -15,6 +15,7 @@ from pathlib import Path
 from django.conf import settings
 
 from .model_families import model_folder
+from .model_length import max_model_len_problem
 from .models import EngineKind, KvConnector, ModelDeployment, Pool, PoolRole, SpeculativeMethod
 
 ENGINE_HOST = "127.0.0.1"
@@ -233,9 +234,24 @@ def dummy_model_processors(argv: list[str]) -> list[str]:
     return processors
 
 
+def _check_model_length(deployment: ModelDeployment, pool: Pool) -> None:
+    """An engine that would refuse its max_model_len is reported, not started again and again: for a
+    deployment saved before the model's config could be read (a hub model the first engine then fetched)."""
+    problem = max_model_len_problem(
+        model_source=deployment.model_source,
+        tokenizer=deployment.tokenizer,
+        revision=deployment.revision,
+        max_model_len=deployment.max_model_len,
+        pools=[pool],
+    )
+    if problem:
+        raise UnsupportedEngineOption(problem)
+
+
 def render_engine_command(*, deployment: ModelDeployment, pool: Pool, ports: EnginePorts) -> EngineCommand:
     """The command and environment for one replica of `pool` listening on `ports`."""
     _check_supported(pool)
+    _check_model_length(deployment, pool)
     if pool.enable_kv_events and ports.kv_events is None:
         raise ValueError("a pool with KV events needs a KV events port")
     nixl = pool.kv_connector in (KvConnector.NIXL, KvConnector.MULTI)

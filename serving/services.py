@@ -20,6 +20,7 @@ from django.utils import timezone
 
 from tenants.audit import audit_record, audited, snapshot
 
+from .model_length import LENGTH_FIELDS, max_model_len_check
 from .models import (
     AutoscalingPolicy,
     Endpoint,
@@ -78,6 +79,7 @@ def deployment_create(
     with _audited(actor, source) as change:
         deployment = change.instance = ModelDeployment(**fields)
         deployment.full_clean()
+        max_model_len_check(deployment, pools)
         deployment.save()
         for pool_fields in pools:
             _pool_save(Pool(deployment=deployment), pool_fields)
@@ -103,6 +105,8 @@ def deployment_update(
             for name, value in fields.items():
                 setattr(deployment, name, value)
             deployment.full_clean()
+            if pools is not None or LENGTH_FIELDS & fields.keys():
+                max_model_len_check(deployment, deployment.pools.all() if pools is None else pools)
             deployment.save()
             if pools is not None:
                 deployment.pools.exclude(name__in=[pool["name"] for pool in pools]).delete()

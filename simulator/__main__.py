@@ -14,6 +14,8 @@ import sys
 import aiohttp
 from aiohttp import web
 
+from serving import model_length
+
 from .engine import Engine, Timing
 from .events import KVEventPublisher
 from .kv_cache import BlockPool, CpuTier
@@ -75,7 +77,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument(
-        "--max-model-len", type=int, default=None, help="defaults to the model's max_position_embeddings"
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="defaults to the length derived from the model's config",
+    )
+    p.add_argument("--hf-overrides", type=json_arg, default={}, help="changes to the model's config.json")
+    p.add_argument(
+        "--disable-sliding-window", action="store_true", help="cap the length at the sliding window"
     )
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enable-prompt-tokens-details", action="store_true")
@@ -151,12 +160,6 @@ def parser() -> argparse.ArgumentParser:
         default=0.0,
         help="seconds per token pulled from a prefill engine",
     )
-    p.add_argument(
-        "--api-key",
-        nargs="+",
-        default=None,
-        help="keys /v1 (and vLLM's other guarded paths) require as a Bearer token; else VLLM_API_KEY, as vLLM",
-    )
     for flag in IGNORED_VALUE_FLAGS:
         p.add_argument(flag, help=argparse.SUPPRESS)
     for flag in IGNORED_SWITCHES:
@@ -203,11 +206,38 @@ def load_chat_template(value: str | None) -> str | None:
 
 
 def model_config(args) -> dict:
-    try:
-        with open(os.path.join(args.model, "config.json")) as fh:
-            return json.load(fh)
-    except (OSError, ValueError):
-        return {}
+    """The model's config.json with --hf-overrides applied; empty when there is none."""
+    config = model_length.read_json(os.path.join(args.model, "config.json")) or {}
+    return model_length.apply_overrides(config, args.hf_overrides or {})
+
+
+def derived_length(args) -> model_length.ModelLength | None:
+    """The length vLLM derives from the model's config and its tokenizer's."""
+    tokenizer_config = model_length.read_json(
+        os.path.join(args.tokenizer or args.model, "tokenizer_config.json")
+    )
+    return model_length.derive(
+        model_config(args), tokenizer_config, disable_sliding_window=args.disable_sliding_window
+    )
+
+
+def check_max_model_len(args) -> None:
+    """Refuse a --max-model-len above what the model allows as vLLM does: in its model config's pydantic
+    validation error, unless VLLM_ALLOW_LONG_MAX_MODEL_LEN is set (then it warns and goes on)."""
+    if not args.max_model_len:
+        return
+    refusal = model_length.vllm_refusal(args.max_model_len, derived_length(args))
+    if refusal is None:
+        return
+    if os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0").strip().lower() in ("1", "true"):
+        log.warning("%s %s", refusal.partition(" To allow")[0], model_length.VLLM_WARNING)
+        return
+    # vLLM's model config is a pydantic dataclass: the ValueError reaches the log as its validation error.
+    detail = f"{refusal} [type=value_error, input_value=ArgsKwargs((), {{'model': {args.model!r}, ...}})"
+    raise SystemExit(
+        "pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig\n"
+        f"  Value error, {detail}, input_type=ArgsKwargs]"
+    )
 
 
 def kv_bytes_per_block(config: dict, block_size: int) -> int:
@@ -254,13 +284,11 @@ def cpu_offload_blocks(args) -> int:
 
 
 def max_model_len(args) -> int:
+    """--max-model-len, else the length derived from the model's config (4096 when it names none)."""
     if args.max_model_len:
         return args.max_model_len
-    try:
-        with open(os.path.join(args.model, "config.json")) as fh:
-            return int(json.load(fh).get("max_position_embeddings", 4096))
-    except (OSError, ValueError):
-        return 4096
+    length = derived_length(args)
+    return int(length.derived) if length else 4096
 
 
 async def serve(args) -> None:
@@ -359,9 +387,7 @@ async def serve(args) -> None:
         tool_calls_per_conversation=args.tool_calls_per_conversation,
     )
     runner = web.AppRunner(
-        SimulatorApp(engine, tokenizer, model, api_keys=args.api_key).app(),
-        handler_cancellation=True,
-        access_log=None,
+        SimulatorApp(engine, tokenizer, model).app(), handler_cancellation=True, access_log=None
     )
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port, backlog=4096).start()
@@ -387,6 +413,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parser().parse_args(argv)
     check_args(args)
+    check_max_model_len(args)
     args.chat_template_text = load_chat_template(args.chat_template)
     try:
         import uvloop  # noqa: PLC0415  (faster event loop when installed)

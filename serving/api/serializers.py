@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import copy
+
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
@@ -8,6 +10,7 @@ from tenants.api.serializers import TenantIdField
 from tenants.models import Tenant
 
 from .. import services
+from ..model_length import LENGTH_FIELDS, max_model_len_check
 from ..models import AutoscalingPolicy, Endpoint, ModelDeployment, Pool, ScalingEvent
 
 
@@ -143,9 +146,22 @@ class ModelDeploymentSerializer(ModelCleanMixin, serializers.ModelSerializer):
     def validate(self, attrs):
         pools = attrs.pop("pools", None)
         attrs = super().validate(attrs)
+        self._max_model_len_check(attrs, pools)
         if pools is not None:
             attrs["pools"] = pools
         return attrs
+
+    def _max_model_len_check(self, attrs, pools) -> None:
+        """The deployment as it would be saved, with the pools it would have, must be one its engines start."""
+        if self.instance is not None and pools is None and not LENGTH_FIELDS & attrs.keys():
+            return
+        deployment = ModelDeployment() if self.instance is None else copy.copy(self.instance)
+        for name in LENGTH_FIELDS:
+            if name in attrs:
+                setattr(deployment, name, attrs[name])
+        if pools is None:
+            pools = self.instance.pools.all() if self.instance is not None else []
+        max_model_len_check(deployment, pools)
 
     # Writes go through serving.services (the view calls them): this serializer validates and renders only.
     def create(self, validated_data):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -469,6 +470,36 @@ def test_auto_tool_choice_without_a_parser_fails_at_start_up(kind):
     assert ran.returncode == 1
     last = ran.stderr.strip().splitlines()[-1]
     assert last == "TypeError: Error: --enable-auto-tool-choice requires --tool-call-parser"
+
+
+# vLLM's refusal of a context longer than the model's, in its model config's validation error. The derived length
+# is a float where a RoPE factor applies (1.0 for default RoPE, which a config with rope_theta has).
+LONGER_THAN_THE_MODEL = re.compile(
+    r"Value error, User-specified max_model_len \(1048576\) is greater than the derived max_model_len "
+    r"\(max_position_embeddings=262144(\.0)? or model_max_length=None in model's config\.json\)\. "
+    r"To allow overriding this maximum, set the env var VLLM_ALLOW_LONG_MAX_MODEL_LEN=1\. "
+)
+
+
+@pytest.mark.parametrize("kind", ["sim", "vllm"])
+def test_a_max_model_len_beyond_the_model_fails_at_start_up(kind):
+    argv = (
+        [sys.executable, "-m", "simulator"]
+        if kind == "sim"
+        else [str(ENGINE_PYTHON), "-m", "vllm.entrypoints.openai.api_server"]
+    )
+    env = {key: value for key, value in os.environ.items() if key != "VLLM_ALLOW_LONG_MAX_MODEL_LEN"}
+    ran = subprocess.run(
+        [*argv, "--model", str(MODEL_DIR), "--load-format", "dummy", "--max-model-len", "1048576"],
+        capture_output=True,
+        text=True,
+        timeout=60 if kind == "sim" else 300,
+        cwd=ROOT,
+        env={**env, "PYTHONHASHSEED": "0", "VLLM_CPU_KVCACHE_SPACE": "1"},
+    )
+    assert ran.returncode == 1
+    assert "1 validation error for ModelConfig" in ran.stderr
+    assert LONGER_THAN_THE_MODEL.search(ran.stderr), ran.stderr[-3000:]
 
 
 @pytest.mark.parametrize("choice", OPENAI_CHOICES)

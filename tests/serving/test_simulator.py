@@ -486,6 +486,30 @@ def test_it_refuses_to_start_as_vllm_does(flags, error):
     assert ran.stderr.strip().splitlines()[-1].startswith(error)
 
 
+YARN_X4 = {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 262144}}
+
+
+@pytest.mark.parametrize(
+    "flags, env",
+    [
+        (["--hf-overrides", json.dumps(YARN_X4)], {}),  # YaRN makes the model that long
+        ([], {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}),  # vLLM's own way round its check, with a warning
+    ],
+    ids=["yarn", "allowed"],
+)
+def test_it_starts_beyond_the_models_positions_where_vllm_does(monkeypatch, flags, env):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    engine = start_engine("sim", "--max-model-len", "1048576", *flags, events=False)
+    try:
+        (model,) = httpx.get(f"{engine.url}/v1/models", timeout=10).json()["data"]
+        assert model["max_model_len"] == 1048576
+        warned = "VLLM_ALLOW_LONG_MAX_MODEL_LEN must be used with extreme caution" in engine.log()
+        assert warned == bool(env)
+    finally:
+        engine.stop()
+
+
 def test_a_salted_block_filled_by_output_is_salted_too(sim_engine):
     """A prompt shorter than a block: the first block is completed by generated tokens, and salted as vLLM salts
     every sequence's first block, so another salt's same tokens never hit it."""
