@@ -65,7 +65,10 @@ def reconcile_until(deployment: ModelDeployment, done, timeout: float = 120.0):
     deadline = time.monotonic() + timeout
     while True:
         result = reconcile(deployment)
-        if done(result):
+        if done(result) and (
+            result.status != ObservedStatus.READY
+            or all(e.health == Health.HEALTHY for e in Endpoint.objects.filter(pool__deployment=deployment))
+        ):
             return result
         assert time.monotonic() < deadline, f"not there within {timeout} s: {result}"
         time.sleep(0.5)
@@ -135,3 +138,123 @@ def test_pods_past_the_gpus_the_nodes_hold_stay_pending_and_the_status_says_so(
         assert (scheduled.status, scheduled.reason) == ("False", "Unschedulable")
     finally:
         remove(deployment, kube_admin)
+
+
+def test_a_scale_down_deletes_the_drained_pod_and_the_replica_set_honours_its_cost(
+    worker_cluster, kube_admin, nodes, kubelet
+):
+    nodes.make(1, gpus=8)
+    deployment = sim_deployment("kube-drain", replicas=3, gpus=1)
+    try:
+        reconcile_until(deployment, lambda r: r.status == ObservedStatus.READY)
+        pool = deployment.pools.get()
+        pool.replicas = 2
+        pool.save()
+        reconcile(deployment)
+        (victim,) = Endpoint.objects.filter(pool=pool, draining_since__isnull=False)
+        annotations = (
+            client.CoreV1Api(kube_admin).read_namespaced_pod(victim.name, NAMESPACE).metadata.annotations
+        )
+        assert annotations["controller.kubernetes.io/pod-deletion-cost"] == "-1000000"
+        # Nothing in flight: the next passes scale the Deployment down, and the ReplicaSet controller deletes the
+        # pod of lowest cost, the drained one, among three alike.
+        reconcile_until(
+            deployment,
+            lambda r: r.status == ObservedStatus.READY
+            and len(pods(kube_admin, deployment)) == 2
+            and Endpoint.objects.filter(pool=pool).count() == 2,
+            timeout=60,
+        )
+        assert victim.name not in {pod.metadata.name for pod in pods(kube_admin, deployment)}
+        assert not Endpoint.objects.filter(pool=pool, name=victim.name).exists()
+    finally:
+        remove(deployment, kube_admin)
+
+
+def test_a_new_revision_rolls_out_and_someone_else_s_edit_is_taken_back(
+    worker_cluster, kube_admin, nodes, kubelet
+):
+    nodes.make(1, gpus=8)
+    deployment = sim_deployment("kube-roll", replicas=2, gpus=1)
+    apps = client.AppsV1Api(kube_admin)
+    name = render.pool_object_name(deployment, deployment.pools.get())
+    try:
+        reconcile_until(deployment, lambda r: r.status == ObservedStatus.READY)
+        before = {pod.metadata.name for pod in pods(kube_admin, deployment)}
+        # Another field manager scales the engines' Deployment by hand: the next reconcile takes it back.
+        apps.patch_namespaced_deployment_scale(name, NAMESPACE, {"spec": {"replicas": 4}})
+        # Read as a scale-down: the extra replicas are drained (nothing in flight here), then the workload is
+        # applied back to the pool's replicas under our field manager.
+        reconcile_until(
+            deployment,
+            lambda r: apps.read_namespaced_deployment(name, NAMESPACE).spec.replicas == 2
+            and r.status == ObservedStatus.READY,
+            timeout=60,
+        )
+        live = apps.read_namespaced_deployment(name, NAMESPACE)
+        owners = {
+            entry.manager for entry in live.metadata.managed_fields if "f:replicas" in str(entry.fields_v1)
+        }
+        assert "inference-platform" in owners
+        # A new revision: a rolling update replaces every pod, and the endpoints follow.
+        ModelDeployment.objects.filter(pk=deployment.pk).update(revision="v2")
+        deployment.refresh_from_db()
+        reconcile_until(
+            deployment,
+            lambda r: (
+                r.status == ObservedStatus.READY
+                and {pod.metadata.name for pod in pods(kube_admin, deployment)}.isdisjoint(before)
+                and len(pods(kube_admin, deployment)) == 2
+                and Endpoint.objects.filter(pool__deployment=deployment, health=Health.HEALTHY).count() == 2
+            ),
+            timeout=120,
+        )
+        rows = set(Endpoint.objects.filter(pool__deployment=deployment).values_list("name", flat=True))
+        assert rows == {pod.metadata.name for pod in pods(kube_admin, deployment)}
+    finally:
+        remove(deployment, kube_admin)
+
+
+def test_the_inference_pool_and_network_policy_are_accepted_and_select_the_deployment_s_pods(
+    worker_cluster, kube_admin, nodes, kubelet, settings
+):
+    settings.KUBERNETES_INFERENCE_POOL = True
+    nodes.make(1, gpus=8)
+    deployment = sim_deployment("kube-pool", replicas=2, gpus=1)
+    other = sim_deployment("kube-other", replicas=1, gpus=1)
+    custom = client.CustomObjectsApi(kube_admin)
+    try:
+        reconcile_until(deployment, lambda r: r.status == ObservedStatus.READY)
+        reconcile_until(other, lambda r: r.status == ObservedStatus.READY)
+        group, version = render.INFERENCE_POOL_API[0].split("/")
+        (pool,) = [
+            item
+            for item in custom.list_namespaced_custom_object(group, version, NAMESPACE, "inferencepools")[
+                "items"
+            ]
+            if item["metadata"]["labels"].get(render.LABEL_DEPLOYMENT_ID) == str(deployment.pk)
+        ]
+        core = client.CoreV1Api(kube_admin)
+        mine = {pod.metadata.name for pod in pods(kube_admin, deployment)}
+
+        def selected(match_labels: dict) -> set[str]:
+            selector = ",".join(f"{key}={value}" for key, value in match_labels.items())
+            return {
+                pod.metadata.name
+                for pod in core.list_namespaced_pod(NAMESPACE, label_selector=selector).items
+            }
+
+        assert selected(pool["spec"]["selector"]["matchLabels"]) == mine
+        policy = client.NetworkingV1Api(kube_admin).read_namespaced_network_policy(
+            render.network_policy_name(deployment), NAMESPACE
+        )
+        assert selected(policy.spec.pod_selector.match_labels) == mine
+        # The CRD's schema is enforced: a pool without its target ports is refused by the API server.
+        broken = {**pool, "metadata": {"name": "broken", "namespace": NAMESPACE}, "spec": {**pool["spec"]}}
+        broken["spec"].pop("targetPorts")
+        with pytest.raises(client.exceptions.ApiException) as refused:
+            custom.create_namespaced_custom_object(group, version, NAMESPACE, "inferencepools", broken)
+        assert refused.value.status == 422
+    finally:
+        remove(deployment, kube_admin)
+        remove(other, kube_admin)
