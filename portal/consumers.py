@@ -1,7 +1,9 @@
 """The live traffic WebSocket: operators get a snapshot of the last seconds' traffic every second.
 
 Who is asking is checked again before every snapshot, not only at connect: the socket closes once the person is
-no longer an operator, is deactivated, or their session ends (signed out, expired, or their password changed).
+no longer an operator, is deactivated, or their session ends (signed out, expired, or their password changed). A
+single sign-on session due for its check with the identity provider also closes it with SIGNED_OUT: the page reloads
+on that code, and only a page load can make the provider's round trip (sso/refresh.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from django.conf import settings
 from django.contrib.auth import BACKEND_SESSION_KEY, HASH_SESSION_KEY, SESSION_KEY, get_user_model
 from django.utils.crypto import constant_time_compare
 
+from sso.refresh import check_due
 from tenants.access import Access
 
 from .live import live_traffic
@@ -27,7 +30,7 @@ SIGNED_OUT = 4401
 
 def _session_ended(scope: dict, user) -> bool:
     """Whether the session the socket was opened with no longer signs this user in: gone from the store
-    (signed out, expired, flushed), or made for an older password."""
+    (signed out, expired, flushed), made for an older password, or due for its single sign-on check."""
     session = scope.get("session")
     key = getattr(session, "session_key", None)
     if session is None or key is None:
@@ -35,7 +38,9 @@ def _session_ended(scope: dict, user) -> bool:
     fresh = import_module(settings.SESSION_ENGINE).SessionStore(session_key=key)
     if str(fresh.get(SESSION_KEY)) != str(user.pk) or not fresh.get(BACKEND_SESSION_KEY):
         return True
-    return not constant_time_compare(fresh.get(HASH_SESSION_KEY, ""), user.get_session_auth_hash())
+    if not constant_time_compare(fresh.get(HASH_SESSION_KEY, ""), user.get_session_auth_hash()):
+        return True
+    return check_due(fresh)
 
 
 def still_allowed(scope: dict) -> int | None:
@@ -51,7 +56,15 @@ def still_allowed(scope: dict) -> int | None:
 
 class LiveTrafficConsumer(AsyncJsonWebsocketConsumer):
     async def connect(self) -> None:
-        if await database_sync_to_async(still_allowed)(self.scope) is not None:
+        refused = await database_sync_to_async(still_allowed)(self.scope)
+        if refused == SIGNED_OUT and getattr(self.scope.get("user"), "is_authenticated", False):
+            # Signed in by the cookie yet refused: mostly a single sign-on check that came due while the socket was
+            # down (a laptop asleep). A refused handshake reaches the page without a code and it would reconnect
+            # for ever, so open and close with the code it reloads on; the reload goes to the provider.
+            await self.accept()
+            await self.close(code=SIGNED_OUT)
+            return
+        if refused is not None:
             await self.close(code=FORBIDDEN)
             return
         await self.accept()

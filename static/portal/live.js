@@ -46,7 +46,11 @@
   function connect() {
     var ws = new WebSocket(url);
     ws.onopen = function () { state.textContent = "live"; };
-    ws.onclose = function () { state.textContent = "reconnecting…"; setTimeout(connect, 2000); };
+    ws.onclose = function (event) {
+      // 4401: signed out, or the single sign-on check is due; only a page load can go to the identity provider.
+      if (event.code === 4401) { state.textContent = "signing in again…"; location.reload(); return; }
+      state.textContent = "reconnecting…"; setTimeout(connect, 2000);
+    };
     ws.onmessage = function (msg) {
       var s = JSON.parse(msg.data);
       document.getElementById("live-window").textContent = s.window_s;
