@@ -1,7 +1,9 @@
 """What the budget rules watch: each team's and tenant's token and spend budget against the ledger.
 
 Usage is read from the ledger (tenants/billing.py: the daily roll-ups plus the records not rolled up yet), the
-source of truth billing reports use; it trails the router's own counters by the ingestion lag only.
+source of truth billing reports use; it trails the router's own counters by the ingestion lag only. A pass over
+every rule reads through one BudgetReader: the budgets once, and each tenant's usage once per period, however
+many rules watch them.
 """
 
 from __future__ import annotations
@@ -49,30 +51,55 @@ class Budget:
         return f"{value.quantize(Decimal('0.01'))} {self.currency}"
 
 
-def budgets_of(rule: AlertRule, now: datetime) -> Iterator[Budget]:
+class BudgetReader:
+    """The budgets and the ledger's usage, each read once and shared by every rule of a pass: a tenant with many
+    rules costs the ledger no more than a tenant with one."""
+
+    def __init__(self) -> None:
+        self._quotas: list[Quota] | None = None
+        self._tenants: list[Tenant] | None = None
+        self._usage: dict[tuple, dict[int, dict]] = {}
+
+    def team_quotas(self) -> list[Quota]:
+        """Every team-wide quota with a budget, of every active tenant."""
+        if self._quotas is None:
+            quotas = Quota.objects.filter(api_key__isnull=True, team__tenant__is_active=True)
+            quotas = quotas.exclude(token_budget__isnull=True, spend_budget__isnull=True)
+            self._quotas = list(quotas.select_related("team__tenant"))
+        return self._quotas
+
+    def tenants(self) -> list[Tenant]:
+        """Every active tenant with a budget ceiling."""
+        if self._tenants is None:
+            self._tenants = list(
+                Tenant.objects.filter(is_active=True).exclude(
+                    max_token_budget__isnull=True, max_spend_budget__isnull=True
+                )
+            )
+        return self._tenants
+
+    def usage(self, *, group_by: str, tenant_id: int, start: datetime, end: datetime) -> dict[int, dict]:
+        key = (group_by, tenant_id, start, end)
+        if key not in self._usage:
+            self._usage[key] = _usage_by(group_by=group_by, tenant_id=tenant_id, start=start, end=end)
+        return self._usage[key]
+
+
+def budgets_of(rule: AlertRule, now: datetime, reader: BudgetReader | None = None) -> Iterator[Budget]:
+    reader = reader or BudgetReader()
     if rule.budget_scope == BudgetScope.TENANT:
-        yield from _tenant_budgets(rule, now)
+        yield from _tenant_budgets(rule, now, reader)
     else:
-        yield from _team_budgets(rule, now)
+        yield from _team_budgets(rule, now, reader)
 
 
-def _team_budgets(rule: AlertRule, now: datetime) -> Iterator[Budget]:
-    quotas = Quota.objects.filter(api_key__isnull=True, team__tenant__is_active=True).select_related(
-        "team__tenant"
-    )
-    quotas = quotas.exclude(token_budget__isnull=True, spend_budget__isnull=True)
-    if rule.tenant_id is not None:
-        quotas = quotas.filter(team__tenant_id=rule.tenant_id)
-    if rule.team_id is not None:
-        quotas = quotas.filter(team_id=rule.team_id)
-    reports: dict[tuple, dict] = {}
-    for quota in quotas:
+def _team_budgets(rule: AlertRule, now: datetime, reader: BudgetReader) -> Iterator[Budget]:
+    for quota in reader.team_quotas():
         team = quota.team
+        if rule.tenant_id not in (None, team.tenant_id) or rule.team_id not in (None, team.pk):
+            continue
         start, end = period_bounds(quota.budget_period, now)
-        key = (team.tenant_id, start, end)
-        if key not in reports:
-            reports[key] = _usage_by(group_by="team", tenant_id=team.tenant_id, start=start, end=end)
-        used = reports[key].get(team.pk, {})
+        used = reader.usage(group_by="team", tenant_id=team.tenant_id, start=start, end=end).get(team.pk, {})
         label = f"team {team}"
         yield from _budgets(
             "team", team.pk, team.tenant_id, label, quota.token_budget, quota.spend_budget, quota.currency,
@@ -80,15 +107,12 @@ def _team_budgets(rule: AlertRule, now: datetime) -> Iterator[Budget]:
         )  # fmt: skip
 
 
-def _tenant_budgets(rule: AlertRule, now: datetime) -> Iterator[Budget]:
-    tenants = Tenant.objects.filter(is_active=True).exclude(
-        max_token_budget__isnull=True, max_spend_budget__isnull=True
-    )
-    if rule.tenant_id is not None:
-        tenants = tenants.filter(pk=rule.tenant_id)
-    for tenant in tenants:
+def _tenant_budgets(rule: AlertRule, now: datetime, reader: BudgetReader) -> Iterator[Budget]:
+    for tenant in reader.tenants():
+        if rule.tenant_id not in (None, tenant.pk):
+            continue
         start, end = period_bounds(tenant.max_budget_period, now)
-        used = _usage_by(group_by="tenant", tenant_id=tenant.pk, start=start, end=end).get(tenant.pk, {})
+        used = reader.usage(group_by="tenant", tenant_id=tenant.pk, start=start, end=end).get(tenant.pk, {})
         yield from _budgets(
             "tenant", tenant.pk, tenant.pk, f"tenant {tenant.slug}", tenant.max_token_budget,
             tenant.max_spend_budget, tenant.max_spend_currency, used, tenant.max_budget_period, start, end,
@@ -136,8 +160,10 @@ def _share(budget: Budget) -> Decimal:
     return budget.used / budget.limit if budget.limit > 0 else Decimal("Infinity")
 
 
-def budget_observations(rule: AlertRule, now: datetime) -> Iterator[Observation]:
-    for budget in budgets_of(rule, now):
+def budget_observations(
+    rule: AlertRule, now: datetime, reader: BudgetReader | None = None
+) -> Iterator[Observation]:
+    for budget in budgets_of(rule, now, reader):
         if rule.kind == AlertKind.BUDGET:
             yield from _crossings(rule, budget)
         else:

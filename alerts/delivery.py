@@ -11,10 +11,17 @@ A receiver recomputes the HMAC over the raw body, compares it in constant time a
 Each attempt is claimed by compare-and-set on the delivery's row (status pending and due), so a task and the
 periodic sweep never send one delivery twice at once. A failure is retried after ALERT_DELIVERY_BACKOFF_S,
 doubling each time, up to ALERT_DELIVERY_ATTEMPTS attempts; a receiver's 4xx other than 408 and 429 fails it at once.
+Any other error of one attempt (a bug, a URL stored before it was validated) counts against its attempts too.
+
+A webhook is the tenant's server, so nothing it does may hold a worker: an attempt has one deadline for everything
+(connect, headers and body: ALERT_WEBHOOK_TIMEOUT_S, at most half the claim, so the claim cannot run out and let a
+second attempt start beside it), only the first RESPONSE_READ_BYTES of the answer are read, and deliveries run on
+the Celery queue "alerts" (settings.CELERY_TASK_ROUTES), served by workers of their own.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import ipaddress
@@ -32,6 +39,7 @@ from django.core.mail import EmailMessage
 from django.db.models import F
 from django.utils import timezone
 
+from .addresses import is_public_address, webhook_url_problem
 from .messages import email_text
 from .models import Delivery, DeliveryStatus, Destination, DestinationKind
 
@@ -40,6 +48,8 @@ log = logging.getLogger(__name__)
 # How long an attempt holds its claim: a worker that dies mid-attempt leaves the delivery to the sweep after it.
 CLAIM_S = 120
 RETRYABLE_4XX = (408, 429)
+# What is read of a receiver's answer: enough to show in last_error, never a body that fills the worker's memory.
+RESPONSE_READ_BYTES = 4096
 
 
 class DeliveryError(Exception):
@@ -64,6 +74,12 @@ def backoff(attempts: int) -> timedelta:
     return timedelta(seconds=min(seconds, 3600))
 
 
+def attempt_deadline_s() -> float:
+    """The most one webhook attempt may take, all included: well inside its claim, so that no other worker can
+    claim the delivery again while this attempt still runs."""
+    return min(settings.ALERT_WEBHOOK_TIMEOUT_S, CLAIM_S / 2)
+
+
 def delivery_attempt(*, delivery_id: int) -> Delivery | None:
     """Make one attempt at a due delivery; None when it is not due or another worker holds it."""
     now = timezone.now()
@@ -78,20 +94,26 @@ def delivery_attempt(*, delivery_id: int) -> Delivery | None:
     try:
         delivery.response_status = _send(delivery)
     except DeliveryError as exc:
-        delivery.last_error = str(exc)[:2000]
-        delivery.response_status = exc.status
-        if exc.permanent or delivery.attempts >= settings.ALERT_DELIVERY_ATTEMPTS:
-            delivery.status = DeliveryStatus.FAILED
-            log.warning("alert delivery %s failed for good: %s", delivery.pk, exc)
-        else:
-            delivery.next_attempt_at = timezone.now() + backoff(delivery.attempts)
-            log.info(
-                "alert delivery %s failed (attempt %s), retrying: %s", delivery.pk, delivery.attempts, exc
-            )
+        _failed(delivery, exc)
+    except Exception as exc:  # noqa: BLE001 - a bug, or a row stored before validation: it counts all the same
+        log.exception("alert delivery %s: unexpected error", delivery.pk)
+        _failed(delivery, DeliveryError(f"{type(exc).__name__}: {exc}"))
     else:
         delivery.status, delivery.sent_at, delivery.last_error = DeliveryStatus.SENT, timezone.now(), ""
     delivery.save(update_fields=["status", "sent_at", "last_error", "response_status", "next_attempt_at"])
     return delivery
+
+
+def _failed(delivery: Delivery, exc: DeliveryError) -> None:
+    """Record a failed attempt: retried after the backoff, or failed for good."""
+    delivery.last_error = str(exc)[:2000]
+    delivery.response_status = exc.status
+    if exc.permanent or delivery.attempts >= settings.ALERT_DELIVERY_ATTEMPTS:
+        delivery.status = DeliveryStatus.FAILED
+        log.warning("alert delivery %s failed for good: %s", delivery.pk, exc)
+    else:
+        delivery.next_attempt_at = timezone.now() + backoff(delivery.attempts)
+        log.info("alert delivery %s failed (attempt %s), retrying: %s", delivery.pk, delivery.attempts, exc)
 
 
 def due_deliveries(limit: int = 100) -> list[int]:
@@ -131,11 +153,16 @@ def webhook_body(payload: dict) -> bytes:
 
 
 def _send_webhook(destination: Destination, delivery: Delivery) -> int:
+    problem = webhook_url_problem(destination.url)
+    if problem:
+        raise DeliveryError(problem, permanent=True)
     body = webhook_body(delivery.payload)
     timestamp = int(time.time())
     headers = {
         "Content-Type": "application/json",
         "User-Agent": "inference-platform-alerts/1",
+        # Only the first bytes of the answer are read: as sent, not a compressed body that inflates on reading.
+        "Accept-Encoding": "identity",
         "X-Platform-Delivery": str(delivery.pk),
         "X-Platform-Timestamp": str(timestamp),
         "X-Platform-Signature": sign(destination.signing_secret, timestamp, body),
@@ -145,19 +172,36 @@ def _send_webhook(destination: Destination, delivery: Delivery) -> int:
         url, host = _public_address(destination.url)
         headers["Host"] = host
         extensions = {"sni_hostname": urlsplit(destination.url).hostname}
+    deadline = attempt_deadline_s()
     try:
-        with httpx.Client(timeout=settings.ALERT_WEBHOOK_TIMEOUT_S, follow_redirects=False) as client:
-            response = client.post(url, content=body, headers=headers, extensions=extensions)
+        status, head = asyncio.run(_post(url, body, headers, extensions, deadline))
+    except TimeoutError as exc:
+        raise DeliveryError(f"No complete answer within {deadline:g} s.") from exc
     except httpx.HTTPError as exc:
         raise DeliveryError(f"{type(exc).__name__}: {exc}") from exc
-    if response.is_success:
-        return response.status_code
-    permanent = 400 <= response.status_code < 500 and response.status_code not in RETRYABLE_4XX
-    raise DeliveryError(
-        f"The receiver answered {response.status_code}: {response.text[:300]}",
-        status=response.status_code,
-        permanent=permanent,
-    )
+    if 200 <= status < 300:
+        return status
+    permanent = 400 <= status < 500 and status not in RETRYABLE_4XX
+    raise DeliveryError(f"The receiver answered {status}: {head[:300]}", status=status, permanent=permanent)
+
+
+async def _post(url: str, body: bytes, headers: dict, extensions: dict, deadline: float) -> tuple[int, str]:
+    """POST and read at most RESPONSE_READ_BYTES of the answer, all within `deadline` seconds (httpx's own
+    timeout is per read: a receiver sending a byte now and then would hold the attempt for ever)."""
+    async with asyncio.timeout(deadline):
+        async with httpx.AsyncClient(timeout=deadline, follow_redirects=False) as client:
+            request = client.build_request("POST", url, content=body, headers=headers, extensions=extensions)
+            response = await client.send(request, stream=True)
+            try:
+                head = bytearray()
+                if not response.is_success:
+                    async for chunk in response.aiter_raw():
+                        head += chunk
+                        if len(head) >= RESPONSE_READ_BYTES:
+                            break
+                return response.status_code, head[:RESPONSE_READ_BYTES].decode("utf-8", "replace")
+            finally:
+                await response.aclose()
 
 
 def _public_address(url: str) -> tuple[str, str]:
@@ -172,10 +216,10 @@ def _public_address(url: str) -> tuple[str, str]:
     except OSError as exc:
         raise DeliveryError(f"Cannot resolve {host}: {exc}") from exc
     for *_, sockaddr in infos:
-        address = ipaddress.ip_address(sockaddr[0])
-        if not address.is_global:
+        # The address itself is not said: a tenant would learn what the platform's internal names resolve to.
+        if not is_public_address(ipaddress.ip_address(sockaddr[0])):
             raise DeliveryError(
-                f"{host} resolves to {address}, a private address: a tenant's webhook must be public "
+                f"{host} does not resolve to a public address: a tenant's webhook must be public "
                 "(operators can allow private ones with ALERT_WEBHOOK_ALLOW_PRIVATE).",
                 permanent=True,
             )

@@ -3,6 +3,9 @@
 A condition is told once when it starts to hold (after `for_minutes`, for health rules) and, for health rules, once
 when it clears; a check that finds it still holding sends nothing. A rule is evaluated under a row lock taken with
 SKIP LOCKED, so two workers never evaluate (and send) the same rule at once.
+
+A rule costs a few queries whatever its conditions (its states are read and written in bulk), and the rules of one
+pass share a BudgetReader, so the ledger is read once per tenant and period, not once per rule.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from .budgets import budget_observations
+from .budgets import BudgetReader, budget_observations
 from .health import health_observations
 from .messages import alert_payload
 from .models import AlertRule, AlertState, Delivery, DeliveryEvent
@@ -23,18 +26,24 @@ from .observations import Observation
 log = logging.getLogger(__name__)
 
 
-def observations_of(rule: AlertRule, now: datetime, previous: dict[str, AlertState]) -> list[Observation]:
+def observations_of(
+    rule: AlertRule, now: datetime, previous: dict[str, AlertState], reader: BudgetReader | None = None
+) -> list[Observation]:
     if rule.is_budget:
-        return list(budget_observations(rule, now))
+        return list(budget_observations(rule, now, reader))
     return list(health_observations(rule, now, previous))
 
 
-def rule_evaluate(*, rule_id: int, now: datetime | None = None) -> list[Delivery]:
-    """Check one rule now; return the deliveries its crossings created (committed, not yet sent)."""
+def rule_evaluate(
+    *, rule_id: int, now: datetime | None = None, reader: BudgetReader | None = None
+) -> list[Delivery]:
+    """Check one rule now; return the deliveries its crossings created (committed, not yet sent). A pass over
+    many rules gives them one `reader`, so that they share what they read of budgets and usage."""
     now = now or timezone.now()
     with transaction.atomic():
         rule = (
             AlertRule.objects.select_for_update(skip_locked=True, of=("self",))
+            .select_related("tenant")
             .filter(pk=rule_id, is_active=True)
             .first()
         )
@@ -46,21 +55,44 @@ def rule_evaluate(*, rule_id: int, now: datetime | None = None) -> list[Delivery
         if rule.is_budget:
             states = states.filter(Q(holding=True) | Q(firing=True))
         previous = {state.key: state for state in states}
-        observations = observations_of(rule, now, previous)
+        observations = observations_of(rule, now, previous, reader)
         keys = [obs.key for obs in observations if obs.key not in previous]
-        previous.update({state.key: state for state in AlertState.objects.filter(rule=rule, key__in=keys)})
-        deliveries: list[Delivery] = []
+        if keys:
+            previous.update(
+                {state.key: state for state in AlertState.objects.filter(rule=rule, key__in=keys)}
+            )
+        checked: list[tuple[AlertState, str | None]] = []
         for obs in observations:
             state = previous.pop(obs.key, None) or AlertState(rule=rule, key=obs.key, tenant_id=obs.tenant_id)
-            deliveries += _apply(rule, state, obs, now)
+            checked.append((state, _apply(rule, state, obs, now)))
         # Conditions no check reported any more (a deployment removed, a budget taken away) have cleared.
         for state in previous.values():
             if state.holding or state.firing:
-                deliveries += _apply(rule, state, Observation(key=state.key, holding=False), now)
-    return deliveries
+                checked.append((state, _apply(rule, state, Observation(key=state.key, holding=False), now)))
+        _save_states([state for state, _ in checked])
+        return _deliveries(rule, [(state, event) for state, event in checked if event])
 
 
-def _apply(rule: AlertRule, state: AlertState, obs: Observation, now: datetime) -> list[Delivery]:
+STATE_FIELDS = [
+    "holding",
+    "firing",
+    "holding_since",
+    "fired_at",
+    "resolved_at",
+    "checked_at",
+    "summary",
+    "details",
+]
+
+
+def _save_states(states: list[AlertState]) -> None:
+    """Every state of the rule in two statements at most: the new ones, and the changes to the others."""
+    AlertState.objects.bulk_create([state for state in states if state.pk is None])
+    AlertState.objects.bulk_update([state for state in states if state.pk is not None], STATE_FIELDS)
+
+
+def _apply(rule: AlertRule, state: AlertState, obs: Observation, now: datetime) -> str | None:
+    """Move the state by what the check observed; the event to send, if any. The caller saves the state."""
     state.checked_at = now
     if obs.summary:
         state.summary = obs.summary[:500]
@@ -80,22 +112,27 @@ def _apply(rule: AlertRule, state: AlertState, obs: Observation, now: datetime) 
             state.firing, state.resolved_at = False, now
             # A budget crossed stays crossed for its period; only health conditions are told they cleared.
             event = None if rule.is_budget or not obs.summary else DeliveryEvent.RESOLVED
-    state.save()
-    return _deliveries(rule, state, event) if event else []
+    return event
 
 
-def _deliveries(rule: AlertRule, state: AlertState, event: str) -> list[Delivery]:
-    payload = alert_payload(rule=rule, state=state, event=event)
-    deliveries = [
-        Delivery.objects.create(
-            state=state, destination=destination, tenant_id=rule.tenant_id, event=event, payload=payload
-        )
-        for destination in rule.destinations.filter(is_active=True)
-    ]
-    if deliveries:
-        log.info("alert %s %s: %s", event, state.key, state.summary)
-        for delivery in deliveries:
-            transaction.on_commit(lambda pk=delivery.pk: _enqueue(pk))
+def _deliveries(rule: AlertRule, events: list[tuple[AlertState, str]]) -> list[Delivery]:
+    if not events:
+        return []
+    destinations = list(rule.destinations.filter(is_active=True))
+    deliveries = []
+    for state, event in events:
+        payload = alert_payload(rule=rule, state=state, event=event)
+        deliveries += [
+            Delivery(
+                state=state, destination=destination, tenant_id=rule.tenant_id, event=event, payload=payload
+            )
+            for destination in destinations
+        ]
+        if destinations:
+            log.info("alert %s %s: %s", event, state.key, state.summary)
+    Delivery.objects.bulk_create(deliveries)
+    for delivery in deliveries:
+        transaction.on_commit(lambda pk=delivery.pk: _enqueue(pk))
     return deliveries
 
 

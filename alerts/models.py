@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import secrets
 
+from django.conf import settings
 from django.contrib.postgres.fields import ArrayField
 from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator
@@ -17,6 +18,11 @@ from django.db.models import Q
 from django.utils import timezone
 
 from tenants.models import Team, Tenant
+
+from .addresses import webhook_url_problem
+
+# A rule's percentages are checked on every pass, each a condition of its own: a handful is all a budget needs.
+MAX_PERCENTAGES = 10
 
 
 def new_signing_secret() -> str:
@@ -84,14 +90,29 @@ class Destination(models.Model):
         super().clean()
         if self.kind == DestinationKind.WEBHOOK and not self.url:
             raise ValidationError({"url": "Give the webhook's URL."})
-        if (
-            self.kind == DestinationKind.WEBHOOK
-            and self.url
-            and not self.url.startswith(("https://", "http://"))
-        ):
-            raise ValidationError({"url": "Give an http:// or https:// URL."})
+        if self.kind == DestinationKind.WEBHOOK and (problem := webhook_url_problem(self.url)):
+            raise ValidationError({"url": problem})
         if self.kind == DestinationKind.EMAIL and not self.emails:
             raise ValidationError({"emails": "Give at least one address."})
+        if self._state.adding:
+            _within_limit(
+                Destination.objects.filter(tenant_id=self.tenant_id),
+                self.tenant_id,
+                settings.ALERT_MAX_DESTINATIONS_PER_TENANT,
+                "alert destinations",
+                "ALERT_MAX_DESTINATIONS_PER_TENANT",
+            )
+
+
+def _within_limit(
+    existing: models.QuerySet, tenant_id: int | None, limit: int, what: str, setting: str
+) -> None:
+    """A tenant has at most `limit` of these (each is worked on every pass, for every tenant's alerts);
+    the platform's own, the operators', are not counted."""
+    if tenant_id is not None and existing.count() >= limit:
+        raise ValidationError(
+            f"The tenant already has {limit} {what}, the most allowed ({setting}): delete one first."
+        )
 
 
 class AlertKind(models.TextChoices):
@@ -221,10 +242,20 @@ class AlertRule(models.Model):
                 errors["team"] = "Only a rule on the teams' budgets names a team."
         if self.kind == AlertKind.BUDGET and not self.percentages:
             errors["percentages"] = "Give at least one percentage, such as 80."
+        if len(self.percentages or ()) > MAX_PERCENTAGES:
+            errors["percentages"] = f"Give at most {MAX_PERCENTAGES} percentages, such as 50, 80, 100."
         if self.kind == AlertKind.PREFIX_PREDICTION and self.threshold is not None and self.threshold > 1:
             errors["threshold"] = "The ratio is at most 1: give a value such as 0.8."
         if errors:
             raise ValidationError(errors)
+        if self._state.adding:
+            _within_limit(
+                AlertRule.objects.filter(tenant_id=self.tenant_id),
+                self.tenant_id,
+                settings.ALERT_MAX_RULES_PER_TENANT,
+                "alert rules",
+                "ALERT_MAX_RULES_PER_TENANT",
+            )
 
 
 class AlertState(models.Model):

@@ -292,6 +292,10 @@ class Platform:
     def start_worker(self) -> None:
         argv = [PYTHON, "-m", "celery", "-A", "inference_platform", "--quiet", "worker", "--pool", "threads"]
         argv += ["--concurrency", "4", "--loglevel", "INFO", "--without-mingle", "--without-gossip"]
+        argv += [
+            "--queues",
+            "celery,alerts,whatif",
+        ]  # one worker for every queue: the bench needs no isolation
         self.worker = self.procs.start(
             "faults-worker", argv, core=None, env=self.env, stdout=self.log("faults-worker")
         )

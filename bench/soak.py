@@ -749,7 +749,18 @@ def start_platform(procs: h.Processes, env: dict, tag: str) -> dict[str, object]
     beat_file.unlink(missing_ok=True)
     worker = procs.start(
         f"{tag}-worker",
-        [*celery, "worker", "--pool", "threads", "--concurrency", "2", "--loglevel", "INFO"],
+        [
+            *celery,
+            "worker",
+            "--pool",
+            "threads",
+            "--concurrency",
+            "2",
+            "--loglevel",
+            "INFO",
+            "--queues",
+            "celery,alerts",
+        ],
         core=None,
         env=env,
     )

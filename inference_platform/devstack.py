@@ -296,7 +296,7 @@ def banner(*, web: str, router: str, demo: str, pending: list[str]) -> str:
         "",
         *(line for line in demo.splitlines() if line.strip()),
         "",
-        f"Logs:       {_near(logs_dir())}/ (web, router, worker, beat, kv-ingester; engines in "
+        f"Logs:       {_near(logs_dir())}/ (web, router, the workers, beat, kv-ingester; engines in "
         f"{_near(state_dir() / 'engines')}/)",
         "Warnings and errors show below. Ctrl-C stops everything.",
         rule,
@@ -334,6 +334,19 @@ def stop_all_engines(command: list[str], env: dict[str, str]) -> None:
     for line in done.stdout.splitlines():
         if line.startswith(("devstack:", "stopping")):
             print(line, file=sys.stderr)
+
+
+def celery_workers(celery: list[str]) -> dict[str, list[str]]:
+    """One Celery worker per group of queues (settings.CELERY_TASK_ROUTES): the default queue's threads are the
+    platform's own (reconcile, autoscaling, usage ingestion, quota restore); alert deliveries, which wait on
+    tenants' webhooks, and what-if runs, which replay a whole trace, have workers of their own and cannot take
+    them. Threads: these tasks wait on processes and HTTP, not on the CPU."""
+    worker = [*celery, "worker", "--pool", "threads", "--loglevel", "INFO"]
+    return {
+        "worker": [*worker, "--concurrency", "2", "--queues", "celery", "--hostname", "worker@%h"],
+        "worker-alerts": [*worker, "--concurrency", "2", "--queues", "alerts", "--hostname", "alerts@%h"],
+        "worker-whatif": [*worker, "--concurrency", "1", "--queues", "whatif", "--hostname", "whatif@%h"],
+    }
 
 
 def serve(env: dict[str, str]) -> int:
@@ -398,8 +411,7 @@ def serve(env: dict[str, str]) -> int:
             "routing.server.http_server:LimitedHttpToolsProtocol",  # with limits on request headers
             "--no-access-log",
         ],
-        # Threads: reconciles wait on processes and HTTP, not on the CPU.
-        "worker": [*celery, "worker", "--pool", "threads", "--concurrency", "2", "--loglevel", "INFO"],
+        **celery_workers(celery),
         "beat": [
             *celery,
             "beat",

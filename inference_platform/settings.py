@@ -68,6 +68,8 @@ MIDDLEWARE = [
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
+    # Single sign-on sessions are checked with the provider again every OIDC_SESSION_REFRESH_S.
+    "sso.refresh.SessionRefresh",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     # Last: turns a sign-in refused for too many failures into its 429 page.
@@ -132,6 +134,15 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 # subscription, and when Redis goes away with tasks in flight, kombu's reconnect of that subscription raised
 # AttributeError and the worker exited ("Unrecoverable error"), leaving usage uningested until restarted.
 CELERY_WORKER_ENABLE_REMOTE_CONTROL = False
+# Work that waits on what a tenant controls runs on queues of its own, each served by workers of its own
+# (devstack.py, deploy/base/), so it can never take the threads that reconcile, autoscaling, usage ingestion and
+# quota restore need (they stay on the default queue, "celery"): alert deliveries wait on tenants' webhooks,
+# what-if runs replay a whole trace.
+CELERY_TASK_ROUTES = {
+    "alerts.tasks.deliver": {"queue": "alerts"},
+    "alerts.tasks.deliver_due": {"queue": "alerts"},
+    "planner.run_what_if": {"queue": "whatif"},
+}
 # Every deployment is reconciled this often, whatever changed; a change also enqueues its own reconcile.
 RECONCILE_INTERVAL_S = env_int("RECONCILE_INTERVAL_S", 5)
 # The autoscaler (serving/autoscaling.py): how often it decides, over how long a window it reads TTFT and ITL,
@@ -292,6 +303,12 @@ OIDC_PROVIDER_NAME = env_secret("OIDC_PROVIDER_NAME") or "single sign-on"
 OIDC_USE_PKCE = True
 OIDC_TIMEOUT = env_int("OIDC_TIMEOUT_S", 10)
 OIDC_AUTHENTICATION_CALLBACK_URL = "sso:callback"
+# How often a single sign-on session is checked with the provider (sso/refresh.py): a page load then goes there
+# with prompt=none and back, and the group rules are applied again to what it says (15 minutes by default). Under a
+# minute, pages would bounce through the provider all the time.
+OIDC_RENEW_ID_TOKEN_EXPIRY_SECONDS = env_int("OIDC_SESSION_REFRESH_S", 15 * 60)
+if OIDC_RENEW_ID_TOKEN_EXPIRY_SECONDS < 60:
+    raise ImproperlyConfigured("OIDC_SESSION_REFRESH_S must be 60 or more (seconds).")
 # Username-and-password sign-in (the portal's, the admin's and the browsable API's forms, POST /api/auth/token/).
 LOCAL_SIGN_IN = env_bool("LOCAL_SIGN_IN", True)
 if OIDC_RP_CLIENT_ID:
@@ -409,6 +426,10 @@ ROUTER_SNAPSHOT_FAIL_CLOSED_SECONDS = float(env_secret("ROUTER_SNAPSHOT_FAIL_CLO
 # Requests one replica serves at once; past it, a 503 with Retry-After.
 ROUTER_MAX_CONNECTIONS = env_int("ROUTER_MAX_CONNECTIONS", 4096)
 ROUTER_MAX_CHOICES = env_int("ROUTER_MAX_CHOICES", 8)  # the largest `n`
+# A request's stop sequences (`stop`, Anthropic's `stop_sequences`): how many, and their UTF-8 bytes in all; past
+# either, a 400 before any engine is asked. OpenAI documents 4, vLLM sets no limit: these leave room for any agent.
+ROUTER_MAX_STOP_SEQUENCES = env_int("ROUTER_MAX_STOP_SEQUENCES", 64)
+ROUTER_MAX_STOP_BYTES = env_int("ROUTER_MAX_STOP_BYTES", 4096)
 # What an answer may make the router hold: an engine's whole (unstreamed) answer, one event of a stream, and the
 # prompt logprobs a request may ask for (prompt tokens x (logprobs + 1) entries, `prompt_logprobs` or a
 # completion's `echo` with `logprobs`: some 70 bytes of answer each).
@@ -431,9 +452,10 @@ ROUTER_SHARED_TOKENS_MIN_PIECE_CHARS = env_int("ROUTER_SHARED_TOKENS_MIN_PIECE_C
 ROUTER_SHARED_TOKENS_MIN_REQUEST_CHARS = env_int("ROUTER_SHARED_TOKENS_MIN_REQUEST_CHARS", 4096)
 ROUTER_SHARED_TOKENS_TTL_SECONDS = env_int("ROUTER_SHARED_TOKENS_TTL_SECONDS", 6 * 3600)
 # Traces (routing/server/tracing.py): OTLP/HTTP (protobuf) to this URL, the collector's /v1/traces; empty: off, at no
-# cost. By default the standard OpenTelemetry variables' endpoint. ROUTER_TRACES_SAMPLE_RATIO of the requests
-# without a sampled parent are kept (a client's `traceparent` decides for its own request). The exporter reads
-# OTEL_EXPORTER_OTLP_HEADERS (or _TRACES_HEADERS) itself.
+# cost. By default the standard OpenTelemetry variables' endpoint. ROUTER_TRACES_SAMPLE_RATIO of the requests are
+# kept, whatever a client's `traceparent` asks (its trace id is continued); with FOLLOW_CLIENT_SAMPLING, a client's
+# sampled flag decides for its own request. The exporter reads OTEL_EXPORTER_OTLP_HEADERS (or _TRACES_HEADERS)
+# itself.
 _OTLP_BASE = (env_secret("OTEL_EXPORTER_OTLP_ENDPOINT") or "").rstrip("/")
 ROUTER_TRACES_ENDPOINT = (
     ""
@@ -446,6 +468,13 @@ ROUTER_TRACES_SAMPLE_RATIO = float(env_secret("ROUTER_TRACES_SAMPLE_RATIO") or 1
 if not 0.0 <= ROUTER_TRACES_SAMPLE_RATIO <= 1.0:
     raise ImproperlyConfigured("ROUTER_TRACES_SAMPLE_RATIO must be between 0 and 1")
 ROUTER_TRACES_SERVICE_NAME = env_secret("OTEL_SERVICE_NAME") or "inference-router"
+ROUTER_TRACES_FOLLOW_CLIENT_SAMPLING = env_bool("ROUTER_TRACES_FOLLOW_CLIENT_SAMPLING", False)
+# What one span may hold (the SDK's SpanLimits, under the standard variables' names): attributes, and characters of
+# an attribute's string value (the SDK sets no length limit of its own).
+ROUTER_TRACES_MAX_ATTRIBUTES = env_int("OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT", 64)
+ROUTER_TRACES_MAX_ATTRIBUTE_LENGTH = env_int("OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT", 256)
+if min(ROUTER_TRACES_MAX_ATTRIBUTES, ROUTER_TRACES_MAX_ATTRIBUTE_LENGTH) < 1:
+    raise ImproperlyConfigured("OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT and _VALUE_LENGTH_LIMIT must be at least 1")
 # Traces of our own traffic for the planner (routing/metering/traffic_trace.py, docs/planner.md): RATIO of the requests
 # (0: none, at no cost) leave an entry on a Redis stream capped at STREAM_MAXLEN entries, drained by the worker into
 # the database and kept KEEP_DAYS. Block keys and sessions are stored as keyed hashes under SECRET (blank: derived
@@ -457,6 +486,16 @@ ROUTER_TRAFFIC_TRACE_SECRET = env_secret("ROUTER_TRAFFIC_TRACE_SECRET") or ""
 ROUTER_TRAFFIC_TRACE_STREAM = env_secret("ROUTER_TRAFFIC_TRACE_STREAM") or "traffic:trace"
 ROUTER_TRAFFIC_TRACE_STREAM_MAXLEN = env_int("ROUTER_TRAFFIC_TRACE_STREAM_MAXLEN", 10_000)
 ROUTER_TRAFFIC_TRACE_KEEP_DAYS = env_int("ROUTER_TRAFFIC_TRACE_KEEP_DAYS", 14)
+# What-if runs (planner/whatif.py). At most MAX_RUNNING are pending or running at once, platform-wide (a run replays
+# every tenant's traffic and only operators start one); past it a new one is refused with a 429. A run holds at
+# most MAX_BLOCKS prompt block ids, every replayed copy counted (about 150 bytes each at the peak, so ~1.5 GB of
+# worker memory at the default). A run still pending or running TIMEOUT_S after it was created is taken as lost
+# (its task or worker gone): the next run started fails it and takes its slot.
+PLANNER_WHATIF_MAX_RUNNING = env_int("PLANNER_WHATIF_MAX_RUNNING", 2)
+if PLANNER_WHATIF_MAX_RUNNING < 1:
+    raise ImproperlyConfigured("PLANNER_WHATIF_MAX_RUNNING must be at least 1")
+PLANNER_WHATIF_MAX_BLOCKS = env_int("PLANNER_WHATIF_MAX_BLOCKS", 10_000_000)
+PLANNER_WHATIF_TIMEOUT_S = env_int("PLANNER_WHATIF_TIMEOUT_S", 3600)
 # /v1/messages/count_tokens: its largest body (a 413 past it), and how long it waits for its count (then a 503).
 # Each call counts against its key's and team's requests per minute, as a generation request does.
 ROUTER_COUNT_TOKENS_MAX_BYTES = env_int("ROUTER_COUNT_TOKENS_MAX_BYTES", 4 * 1024 * 1024)
@@ -516,7 +555,11 @@ ALERT_EMAIL_FROM = env_secret("ALERT_EMAIL_FROM") or DEFAULT_FROM_EMAIL
 # A failed delivery is retried after BACKOFF_S, doubling each time (at most an hour), ATTEMPTS times in all.
 ALERT_DELIVERY_ATTEMPTS = env_int("ALERT_DELIVERY_ATTEMPTS", 6)
 ALERT_DELIVERY_BACKOFF_S = env_int("ALERT_DELIVERY_BACKOFF_S", 30)
+# One webhook attempt's whole deadline (connect, headers and the first bytes of the body), at most 60 s.
 ALERT_WEBHOOK_TIMEOUT_S = float(env_secret("ALERT_WEBHOOK_TIMEOUT_S") or 10.0)
+# A tenant has at most this many alert rules and destinations (the operators' own are not counted).
+ALERT_MAX_RULES_PER_TENANT = env_int("ALERT_MAX_RULES_PER_TENANT", 50)
+ALERT_MAX_DESTINATIONS_PER_TENANT = env_int("ALERT_MAX_DESTINATIONS_PER_TENANT", 20)
 # A tenant's webhooks may reach only public addresses unless this is on; the operators' may reach any.
 ALERT_WEBHOOK_ALLOW_PRIVATE = env_bool("ALERT_WEBHOOK_ALLOW_PRIVATE", False)
 # The routers' /metrics URLs (comma-separated), read for their usage journals (with ROUTER_METRICS_TOKEN).

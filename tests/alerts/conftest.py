@@ -1,9 +1,12 @@
-"""A real HTTP receiver (http.server in a thread) and a real SMTP server (aiosmtpd) for the alert tests."""
+"""A real HTTP receiver (http.server in a thread), a hostile one that never finishes its answer, and a real SMTP
+server (aiosmtpd) for the alert tests."""
 
 from __future__ import annotations
 
 import json
+import socketserver
 import threading
+import time
 from dataclasses import dataclass, field
 from email import message_from_bytes
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -68,6 +71,61 @@ def receiver():
     state.base = f"http://127.0.0.1:{server.server_address[1]}"
     state.url = f"{state.base}/hooks/alerts"
     yield state
+    server.shutdown()
+    server.server_close()
+
+
+@dataclass
+class Hostile:
+    """A receiver that never finishes its answer. `url` + "/drip": one byte of its headers every 0.1 s;
+    "/endless/<status>": that status, then a body without end (64 KiB every 10 ms). Either gives up after
+    GIVE_UP_S, so that a client that waits for it ends, late, rather than hanging the test run."""
+
+    base: str = ""
+    requests: list[str] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    GIVE_UP_S = 8.0
+
+
+@pytest.fixture
+def hostile():
+    state = Hostile()
+
+    class Handler(socketserver.BaseRequestHandler):
+        def handle(self):
+            path = self.request.recv(65536).split(b" ", 2)[1].decode()
+            state.requests.append(path)
+            until = time.monotonic() + Hostile.GIVE_UP_S
+            try:
+                if path == "/drip":
+                    self._drip(until)
+                else:
+                    self._endless(int(path.rsplit("/", 1)[1]), until)
+            except OSError:  # the client hung up: what the tests want
+                pass
+
+        def _drip(self, until: float) -> None:
+            head = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nX-Slow: " + b"z" * 10_000
+            for byte in head:
+                if time.monotonic() > until or state.stop.is_set():
+                    return
+                self.request.sendall(bytes([byte]))
+                time.sleep(0.1)
+
+        def _endless(self, status: int, until: float) -> None:
+            self.request.sendall(f"HTTP/1.1 {status} Whatever\r\nContent-Type: text/plain\r\n\r\n".encode())
+            chunk = b"x" * 65536
+            while time.monotonic() < until and not state.stop.is_set():
+                self.request.sendall(chunk)
+                time.sleep(0.01)
+
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    state.base = f"http://127.0.0.1:{server.server_address[1]}"
+    yield state
+    state.stop.set()
     server.shutdown()
     server.server_close()
 

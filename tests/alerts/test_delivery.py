@@ -106,7 +106,7 @@ def test_a_tenants_webhook_may_not_reach_a_private_address(world, receiver, webh
     (delivery,) = rule_evaluate(rule_id=rule.pk)
     delivery = delivery_attempt(delivery_id=delivery.pk)
     assert delivery.status == DeliveryStatus.FAILED
-    assert "127.0.0.1, a private address" in delivery.last_error
+    assert "127.0.0.1 does not resolve to a public address" in delivery.last_error
     assert receiver.requests == []
 
 

@@ -183,3 +183,28 @@ def test_an_engines_policy_lets_in_exactly_the_router_worker_and_ingester_pods_o
     assert [_selected(objects, peer) for peer in events["from"]] == [["kv-ingester"]]
     namespaces = {obj["metadata"]["name"] for obj in objects if obj["kind"] == "Namespace"}
     assert kube_render.platform_namespace() in namespaces
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_each_celery_queue_has_workers_of_its_own(overlay):
+    """Alert deliveries and what-if runs (settings.CELERY_TASK_ROUTES) are served by workers of their own, with
+    no API access; the default worker, whose threads reconcile, autoscale and ingest usage, takes neither."""
+    from django.conf import settings
+
+    objects = rendered(overlay)
+    queues = {}
+    for obj in objects:
+        argv = (
+            obj["spec"]["template"]["spec"]["containers"][0]["command"] if obj["kind"] == "Deployment" else []
+        )
+        if argv[3:6] == ["-A", "inference_platform", "worker"]:
+            queues[obj["metadata"]["name"]] = argv[argv.index("--queues") + 1].split(",")
+    assert queues.pop("worker") == ["celery"]
+    routed = {route["queue"] for route in settings.CELERY_TASK_ROUTES.values()}
+    assert routed >= {"alerts", "whatif"}
+    assert sorted(queue for names in queues.values() for queue in names) == sorted(routed)
+    for name in queues:
+        spec = workload(objects, name)["spec"]["template"]["spec"]
+        assert spec["serviceAccountName"] == "platform"
+        sources = {next(iter(ref.values()))["name"] for ref in spec["containers"][0]["envFrom"]}
+        assert sources == {"platform-config", "platform-secrets"}
