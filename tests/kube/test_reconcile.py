@@ -160,9 +160,11 @@ def test_a_scale_down_deletes_the_drained_pod_and_the_replica_set_honours_its_co
         # pod of lowest cost, the drained one, among three alike.
         reconcile_until(
             deployment,
-            lambda r: r.status == ObservedStatus.READY
-            and len(pods(kube_admin, deployment)) == 2
-            and Endpoint.objects.filter(pool=pool).count() == 2,
+            lambda r: (
+                r.status == ObservedStatus.READY
+                and len(pods(kube_admin, deployment)) == 2
+                and Endpoint.objects.filter(pool=pool).count() == 2
+            ),
             timeout=60,
         )
         assert victim.name not in {pod.metadata.name for pod in pods(kube_admin, deployment)}
@@ -187,8 +189,10 @@ def test_a_new_revision_rolls_out_and_someone_else_s_edit_is_taken_back(
         # applied back to the pool's replicas under our field manager.
         reconcile_until(
             deployment,
-            lambda r: apps.read_namespaced_deployment(name, NAMESPACE).spec.replicas == 2
-            and r.status == ObservedStatus.READY,
+            lambda r: (
+                apps.read_namespaced_deployment(name, NAMESPACE).spec.replicas == 2
+                and r.status == ObservedStatus.READY
+            ),
             timeout=60,
         )
         live = apps.read_namespaced_deployment(name, NAMESPACE)
