@@ -160,6 +160,12 @@ def parser() -> argparse.ArgumentParser:
         default=0.0,
         help="seconds per token pulled from a prefill engine",
     )
+    p.add_argument(
+        "--api-key",
+        nargs="+",
+        default=None,
+        help="keys /v1 (and vLLM's other guarded paths) require as a Bearer token; else VLLM_API_KEY, as vLLM",
+    )
     for flag in IGNORED_VALUE_FLAGS:
         p.add_argument(flag, help=argparse.SUPPRESS)
     for flag in IGNORED_SWITCHES:
@@ -387,7 +393,9 @@ async def serve(args) -> None:
         tool_calls_per_conversation=args.tool_calls_per_conversation,
     )
     runner = web.AppRunner(
-        SimulatorApp(engine, tokenizer, model).app(), handler_cancellation=True, access_log=None
+        SimulatorApp(engine, tokenizer, model, api_keys=args.api_key).app(),
+        handler_cancellation=True,
+        access_log=None,
     )
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port, backlog=4096).start()

@@ -22,13 +22,15 @@ OPERATOR_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
 
 
 def versions(control_plane, manifest: str) -> dict[str, str]:
-    """Each object's resourceVersion, by kind/namespace/name: any write to an object changes it."""
+    """Each object's generation (its spec's version), or its resourceVersion for kinds without one: a write of
+    ours changes either, while the controllers' status writes (a Deployment's conditions, an HPA's readings) change
+    neither."""
     listed = json.loads(kubectl(control_plane, "get", "-f", "-", "-o", "json", input=manifest))
     items = listed.get("items", [listed])
     return {
-        f"{item['kind']}/{item['metadata'].get('namespace', '')}/{item['metadata']['name']}": item[
-            "metadata"
-        ]["resourceVersion"]
+        f"{item['kind']}/{item['metadata'].get('namespace', '')}/{item['metadata']['name']}": str(
+            item["metadata"].get("generation") or item["metadata"]["resourceVersion"]
+        )
         for item in items
     }
 
