@@ -235,6 +235,9 @@ ENGINE_RESTART_BACKOFF_S = env_int("ENGINE_RESTART_BACKOFF_S", 2)
 ENGINE_DRAIN_TIMEOUT_S = env_int("ENGINE_DRAIN_TIMEOUT_S", 600)
 # A Kubernetes engine pod told to stop first waits this long (preStop), until routers no longer send it work.
 KUBERNETES_PRESTOP_SLEEP_S = env_int("KUBERNETES_PRESTOP_SLEEP_S", 15)
+# How long an engine pod stays on a node that stopped answering before it is evicted and made again elsewhere
+# (Kubernetes' default is 300 s of idle GPUs).
+KUBERNETES_NODE_LOSS_EVICT_S = env_int("KUBERNETES_NODE_LOSS_EVICT_S", 30)
 ENGINE_RESTART_BACKOFF_MAX_S = env_int("ENGINE_RESTART_BACKOFF_MAX_S", 300)
 
 AUTH_PASSWORD_VALIDATORS = [

@@ -515,8 +515,20 @@ def _pod_spec(pool: Pool, container: dict) -> dict:
     }
     if pool.accelerator:
         spec["nodeSelector"] = {settings.KUBERNETES_ACCELERATOR_LABEL: pool.accelerator}
+    # A node that stops answering (lost, partitioned, its kubelet dead) holds its engines' GPUs for nothing: their
+    # pods are evicted after KUBERNETES_NODE_LOSS_EVICT_S, not Kubernetes' default 300 s, and made again on a live
+    # node. The router stops sending to them before that, once the pods are marked not ready.
+    spec["tolerations"] = [
+        {
+            "key": taint,
+            "operator": "Exists",
+            "effect": "NoExecute",
+            "tolerationSeconds": settings.KUBERNETES_NODE_LOSS_EVICT_S,
+        }
+        for taint in ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")
+    ]
     if gpus_per_pod(pool):
-        spec["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+        spec["tolerations"].append({"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"})
     return spec
 
 

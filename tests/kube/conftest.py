@@ -10,11 +10,12 @@ import subprocess
 import time
 
 import pytest
-from kubernetes import client
+from kubernetes import client, config
 
-from .harness import ROOT, ControlPlane, ControlPlaneMissing, FakeKubelet, FakeNodes
+from .harness import ROOT, ControlPlane, ControlPlaneMissing, FakeKubelet, FakeNodes, service_account_token
 
 DEPLOY = ROOT / "deploy"
+ENGINES_NAMESPACE = "inference"
 _node_names = itertools.count(1)
 
 
@@ -90,3 +91,16 @@ def kubelet(kube_admin, nodes, tmp_path):
     fake = FakeKubelet(kube_admin, tmp_path / "pods", nodes=nodes)
     yield fake
     fake.stop()
+
+
+@pytest.fixture
+def worker_cluster(platform_installed, kube_admin, tmp_path, settings):
+    """The orchestrator's settings pointed at the real API server with the worker pod's token."""
+    token = service_account_token(kube_admin, "inference-platform", "orchestrator")
+    path = platform_installed.kubeconfig_for(tmp_path / "worker.kubeconfig", "orchestrator", token)
+    settings.KUBERNETES_KUBECONFIG = str(path)
+    settings.KUBERNETES_CONTEXT = None
+    settings.KUBERNETES_NAMESPACE = ENGINES_NAMESPACE
+    settings.KUBERNETES_NAMESPACES = [ENGINES_NAMESPACE]
+    settings.KUBERNETES_PRESTOP_SLEEP_S = 0
+    return config.new_client_from_config(config_file=str(path))

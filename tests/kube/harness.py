@@ -231,6 +231,7 @@ def expand(text: str, env: dict[str, str]) -> str:
 class PodProcess:
     name: str
     namespace: str
+    node: str
     ip: str
     process: subprocess.Popen | None
     log_path: Path
@@ -281,7 +282,9 @@ class FakeKubelet:
     def _start(self, pod: client.V1Pod, ip: str) -> PodProcess:
         log_path = self.log_dir / f"{pod.metadata.namespace}.{pod.metadata.name}.log"
         if not self.run_engines:
-            return PodProcess(pod.metadata.name, pod.metadata.namespace, ip, None, log_path, ready=True)
+            return PodProcess(
+                pod.metadata.name, pod.metadata.namespace, pod.spec.node_name, ip, None, log_path, ready=True
+            )
         (container,) = [
             c for c in pod.spec.containers if c.name in ("engine", "leader")
         ] or pod.spec.containers[:1]
@@ -302,7 +305,9 @@ class FakeKubelet:
                 cwd=ROOT,
                 start_new_session=True,
             )
-        return PodProcess(pod.metadata.name, pod.metadata.namespace, ip, process, log_path)
+        return PodProcess(
+            pod.metadata.name, pod.metadata.namespace, pod.spec.node_name, ip, process, log_path
+        )
 
     def _status(self, pod: client.V1Pod, ip: str, ready: bool) -> None:
         now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -410,6 +415,16 @@ class FakeKubelet:
             except subprocess.TimeoutExpired:
                 os.killpg(running.process.pid, signal.SIGKILL)
                 running.process.wait()
+
+    def lose_node(self, name: str) -> list[PodProcess]:
+        """A node dies: its heartbeats stop and its engines with it (nothing confirms its pods' deletion any
+        more, as on a cluster). Returns the pods that were running there."""
+        self.nodes.silence(name)
+        with self.lock:
+            lost = [(uid, pod) for uid, pod in self.pods.items() if pod.node == name]
+        for uid, _ in lost:
+            self._stop(uid)
+        return [pod for _, pod in lost]
 
     def running(self) -> list[PodProcess]:
         with self.lock:

@@ -1,0 +1,109 @@
+"""Capacity and failure as a cluster shows them: a node that dies, a node cordoned and drained. The node-lifecycle
+controller, the taint manager, the ReplicaSet controller and the scheduler are the real ones; the node's death is
+played by the harness (its Lease heartbeats stop and its engines are killed)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from kubernetes import client
+
+from serving.models import Endpoint, Health, ObservedStatus
+
+from .conftest import kubectl
+from .test_reconcile import pods, reconcile_until, remove, sim_deployment
+
+pytestmark = [pytest.mark.kube, pytest.mark.kubectl, pytest.mark.django_db(transaction=True)]
+
+# The controller-manager's node-monitor grace period (Kubernetes' default, 50 s), then one reconcile pass.
+LOST_WITHIN_S = 50 + 15
+
+
+def _serving_nodes(kube_admin, deployment) -> set[str]:
+    """The nodes of the deployment's pods that are Ready and not being deleted."""
+    return {
+        pod.spec.node_name
+        for pod in pods(kube_admin, deployment)
+        if not pod.metadata.deletion_timestamp
+        and any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])
+    }
+
+
+def test_a_lost_node_s_engine_leaves_the_routing_and_is_made_again_on_a_live_node(
+    worker_cluster, kube_admin, nodes, kubelet, settings
+):
+    settings.KUBERNETES_NODE_LOSS_EVICT_S = 10  # rendered into the pods' tolerations; 30 by default
+    nodes.make(2, gpus=8)
+    deployment = sim_deployment("kube-lost", replicas=1, gpus=8)
+    try:
+        reconcile_until(deployment, lambda r: r.status == ObservedStatus.READY)
+        (pod,) = pods(kube_admin, deployment)
+        lost = pod.spec.node_name
+        kubelet.lose_node(lost)
+        started = time.monotonic()
+        # The node-lifecycle controller marks the node's pods not ready: the endpoint leaves the routing.
+        reconcile_until(
+            deployment,
+            lambda r: not Endpoint.objects.filter(name=pod.metadata.name, health=Health.HEALTHY).exists(),
+            timeout=LOST_WITHIN_S + 30,
+            all_healthy=False,
+        )
+        left_after = time.monotonic() - started
+        # Past the pods' toleration of the unreachable taint, the pod is evicted and made again on the live node.
+        reconcile_until(
+            deployment,
+            lambda r: (
+                r.status == ObservedStatus.READY
+                and _serving_nodes(kube_admin, deployment) - {lost}
+                and Endpoint.objects.filter(pool__deployment=deployment, health=Health.HEALTHY)
+                .exclude(name=pod.metadata.name)
+                .exists()
+            ),
+            timeout=LOST_WITHIN_S + settings.KUBERNETES_NODE_LOSS_EVICT_S + 60,
+            all_healthy=False,
+        )
+        back_after = time.monotonic() - started
+        print(
+            f"lost node: endpoint out of routing after {left_after:.0f} s, serving again after {back_after:.0f} s"
+        )
+        assert left_after <= LOST_WITHIN_S
+        healthy = Endpoint.objects.filter(pool__deployment=deployment, health=Health.HEALTHY)
+        assert pod.metadata.name not in set(healthy.values_list("name", flat=True))
+        (evicted,) = [p for p in pods(kube_admin, deployment) if p.metadata.name == pod.metadata.name] or [
+            None
+        ]
+        assert evicted is None or evicted.metadata.deletion_timestamp is not None
+    finally:
+        remove(deployment, kube_admin, wait=False)
+
+
+def test_a_cordoned_and_drained_node_s_engine_moves_to_another_node(
+    platform_installed, worker_cluster, kube_admin, nodes, kubelet
+):
+    first, second = nodes.make(2, gpus=8)
+    deployment = sim_deployment("kube-drained", replicas=1, gpus=8)
+    try:
+        reconcile_until(deployment, lambda r: r.status == ObservedStatus.READY)
+        (pod,) = pods(kube_admin, deployment)
+        source = pod.spec.node_name
+        target = second if source == first else first
+        kubectl(
+            platform_installed,
+            "drain",
+            source,
+            "--ignore-daemonsets",
+            "--delete-emptydir-data",
+            "--timeout=120s",
+        )
+        node = client.CoreV1Api(kube_admin).read_node(source)
+        assert node.spec.unschedulable
+        reconcile_until(
+            deployment,
+            lambda r: r.status == ObservedStatus.READY and _serving_nodes(kube_admin, deployment) == {target},
+            timeout=120,
+        )
+        (endpoint,) = Endpoint.objects.filter(pool__deployment=deployment)
+        assert endpoint.health == Health.HEALTHY and endpoint.name != pod.metadata.name
+    finally:
+        remove(deployment, kube_admin)
