@@ -314,6 +314,30 @@ def _trend(redis, pool_id: int, signals: Signals, now: float) -> Trend:
 # --- the task ------------------------------------------------------------------------------------------
 
 
+# Replicas of a pool the cluster has no room for (pods the scheduler could not place), as the orchestrator last
+# saw them; while any wait, the autoscaler asks for no more (they would only wait too).
+UNSCHEDULABLE_KEY = "autoscale:unschedulable:{}"
+UNSCHEDULABLE_TTL_S = 60
+
+
+def unschedulable_note(redis, pool_id: int, count: int) -> None:
+    """Record (or clear, with 0) how many of the pool's replicas wait for room on the cluster."""
+    if count:
+        redis.set(UNSCHEDULABLE_KEY.format(pool_id), count, ex=UNSCHEDULABLE_TTL_S)
+    else:
+        redis.delete(UNSCHEDULABLE_KEY.format(pool_id))
+
+
+def _held_for_room(redis, pool: Pool, recommendation: Recommendation) -> Recommendation:
+    if recommendation.replicas <= pool.replicas:
+        return recommendation
+    waiting = int(redis.get(UNSCHEDULABLE_KEY.format(pool.pk)) or 0)
+    if not waiting:
+        return recommendation
+    reason = f"{recommendation.reason}; held: {waiting} replica(s) already wait for room on the cluster"
+    return Recommendation(pool.replicas, reason, recommendation.asks)
+
+
 def autoscale_all(redis=None) -> list[ScalingEvent]:
     """One pass over every pool whose autoscaling is on; returns the scaling events it made."""
     import redis as redis_client
@@ -338,7 +362,9 @@ def autoscale_all(redis=None) -> list[ScalingEvent]:
         signals = pool_signals(redis, pool, latency_cache[deployment_id])
         trend = _trend(redis, pool.pk, signals, now)
         startup = startup_seconds(pool)
-        recommendation = recommend(policy, pool.replicas, signals, trend, startup)
+        recommendation = _held_for_room(
+            redis, pool, recommend(policy, pool.replicas, signals, trend, startup)
+        )
         key = AUTOSCALE_RECOMMENDATIONS_KEY.format(pool.pk)
         keep = max(policy.scale_up_window_s, policy.scale_down_window_s)
         with redis.pipeline(transaction=False) as pipe:

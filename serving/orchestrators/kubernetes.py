@@ -22,6 +22,7 @@ from django.utils import timezone
 from inference_platform.config_version import bump_config_version_on_commit
 
 from .. import drain
+from ..autoscaling import unschedulable_note
 from ..engine_command import UnsupportedEngineOption
 from ..lifetimes import lifetime_close, lifetime_open, lifetime_ready
 from ..models import (
@@ -279,6 +280,8 @@ class KubernetesOrchestrator(Orchestrator):
             if deployment.desired_status != DesiredStatus.RUNNING:
                 serving = []
             changed |= self._sync_pool_endpoints(pool, serving)
+            waiting = self._unschedulable.get(pool.name, (0, ""))[0]
+            unschedulable_note(self.redis, pool.pk, waiting)
         return changed
 
     def _sync_pool_endpoints(self, pool: Pool, pods: list[dict]) -> bool:

@@ -10,9 +10,11 @@ import time
 
 import httpx
 import pytest
+import redis
 from kubernetes import client
 
 from serving import services
+from serving.autoscaling import UNSCHEDULABLE_KEY
 from serving.engine_keys import engine_api_key
 from serving.models import Endpoint, Health, ModelDeployment, ObservedStatus, OrchestratorKind, Pool
 from serving.orchestrators import kube_render as render
@@ -113,7 +115,7 @@ def test_a_deployment_is_scheduled_by_gpu_and_its_engines_answer(worker_cluster,
 
 
 def test_pods_past_the_gpus_the_nodes_hold_stay_pending_and_the_status_says_so(
-    worker_cluster, kube_admin, nodes, kubelet
+    worker_cluster, kube_admin, nodes, kubelet, settings
 ):
     nodes.make(1, gpus=8)
     deployment = sim_deployment("kube-full", replicas=2, gpus=8)
@@ -125,6 +127,11 @@ def test_pods_past_the_gpus_the_nodes_hold_stay_pending_and_the_status_says_so(
         assert "GPU" in result.message or "nvidia.com/gpu" in result.message, result.message
         pending = [pod for pod in pods(kube_admin, deployment) if not pod.spec.node_name]
         assert len(pending) == 1
+        # The autoscaler is told, and asks for no more while it waits (tests/serving/test_autoscaling.py).
+        waiting = redis.Redis.from_url(settings.REDIS_URL).get(
+            UNSCHEDULABLE_KEY.format(deployment.pools.get().pk)
+        )
+        assert waiting == b"1"
         (scheduled,) = [c for c in pending[0].status.conditions if c.type == "PodScheduled"]
         assert (scheduled.status, scheduled.reason) == ("False", "Unschedulable")
     finally:

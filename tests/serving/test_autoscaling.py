@@ -306,3 +306,33 @@ def test_the_autoscaler_follows_the_engines_load_up_and_down(pools, settings):
     finally:
         client.delete(*[LOAD_KEY.format(e.pk) for e in endpoints])
         client.delete(f"autoscale:recs:{pool.pk}", f"autoscale:last:{pool.pk}")
+
+
+def test_no_more_replicas_are_asked_for_while_some_wait_for_room_on_the_cluster(pools, settings):
+    """Pods the scheduler cannot place (no GPU free) would only wait too: the autoscaler holds the pool, and asks
+    again once the orchestrator no longer reports any waiting."""
+    import redis
+
+    from routing.contracts import LOAD_KEY
+    from serving.autoscaling import unschedulable_note
+
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    pool = pools["both"]
+    AutoscalingPolicy.objects.create(
+        pool=pool, enabled=True, max_replicas=6, running_requests_per_replica=4, scale_up_window_s=0
+    )
+    endpoint = Endpoint.objects.create(
+        pool=pool, name="m-main-0", url="http://10.9.1.1:8000", role="both", health=Health.HEALTHY
+    )
+    client.hset(LOAD_KEY.format(endpoint.pk), mapping={"running": 12, "waiting": 0})
+    try:
+        unschedulable_note(client, pool.pk, 1)
+        assert autoscale_all(client) == []
+        pool.refresh_from_db()
+        assert pool.replicas == 1
+        unschedulable_note(client, pool.pk, 0)
+        [event] = autoscale_all(client)
+        assert (event.from_replicas, event.to_replicas) == (1, 3)  # 12 sequences at 4 a replica
+    finally:
+        client.delete(LOAD_KEY.format(endpoint.pk), f"autoscale:recs:{pool.pk}", f"autoscale:last:{pool.pk}")
+        unschedulable_note(client, pool.pk, 0)
