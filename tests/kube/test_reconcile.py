@@ -12,12 +12,15 @@ import httpx
 import pytest
 import redis
 from kubernetes import client
+from rest_framework.test import APIClient
 
 from serving import services
 from serving.autoscaling import UNSCHEDULABLE_KEY
 from serving.engine_keys import engine_api_key
 from serving.models import Endpoint, Health, ModelDeployment, ObservedStatus, OrchestratorKind, Pool
 from serving.orchestrators import kube_render as render
+from tenants.models import Role
+from tests.conftest import make_user
 
 pytestmark = [pytest.mark.kube, pytest.mark.kubectl, pytest.mark.django_db(transaction=True)]
 
@@ -127,6 +130,13 @@ def test_pods_past_the_gpus_the_nodes_hold_stay_pending_and_the_status_says_so(
         assert "GPU" in result.message or "nvidia.com/gpu" in result.message, result.message
         pending = [pod for pod in pods(kube_admin, deployment) if not pod.spec.node_name]
         assert len(pending) == 1
+        # Operators read it from the API (and the portal's fleet page), not "progressing" for ever.
+        api = APIClient()
+        api.force_authenticate(make_user("kube-operator", Role.OPERATOR))
+        shown = api.get(f"/api/deployments/{deployment.pk}/").json()
+        assert shown["observed_status"] == "degraded" and "cannot be scheduled" in shown["status_message"], (
+            shown
+        )
         # The autoscaler is told, and asks for no more while it waits (tests/serving/test_autoscaling.py).
         waiting = redis.Redis.from_url(settings.REDIS_URL).get(
             UNSCHEDULABLE_KEY.format(deployment.pools.get().pk)
