@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import time
 
+import httpx
 import pytest
 from kubernetes import client
 
+from serving import services
 from serving.models import Endpoint, Health, ObservedStatus
 
 from .conftest import kubectl
@@ -107,3 +109,54 @@ def test_a_cordoned_and_drained_node_s_engine_moves_to_another_node(
         assert endpoint.health == Health.HEALTHY and endpoint.name != pod.metadata.name
     finally:
         remove(deployment, kube_admin)
+
+
+def test_requests_through_a_node_loss_are_served_and_billed_once(worker_cluster, kube_admin, nodes, kubelet):
+    """A router in front of two engines on two nodes; one node dies under traffic. Every request is answered (the
+    router tries the live engine when the dead one refuses), the lost endpoint leaves the routing within the node
+    grace period, and the ledger holds each request exactly once. The harness kills the node's engine process, so
+    the router sees a refused connection; a node cut off by the network instead costs the router's connect timeout
+    per try until the endpoint leaves."""
+    from tenants.keys import api_key_create
+    from tenants.models import Scope, Team, Tenant, UsageRecord
+    from tenants.tasks import ingest_usage
+    from tests.routing.conftest import start_router
+
+    nodes.make(2, gpus=8)
+    deployment = sim_deployment("kube-served", replicas=2, gpus=8)
+    team = Team.objects.create(tenant=Tenant.objects.create(name="K", slug="k"), name="T", slug="t")
+    key = api_key_create(team=team, name="agent", scopes=[Scope.INFERENCE])
+    headers = {"authorization": f"Bearer {key.secret}"}
+    router = start_router()
+    try:
+        reconcile_until(deployment, lambda r: r.status == ObservedStatus.READY)
+        deadline = time.monotonic() + 30
+        while not httpx.get(f"{router.url}/v1/models", headers=headers, timeout=10).json().get("data"):
+            assert time.monotonic() < deadline, router.log()[-2000:]
+            time.sleep(0.3)
+        victim = pods(kube_admin, deployment)[0]
+        kubelet.lose_node(victim.spec.node_name)
+        started, statuses, left_after = time.monotonic(), [], None
+        body = {
+            "model": "kube-served",
+            "messages": [{"role": "user", "content": "list the files"}],
+            "max_tokens": 8,
+        }
+        while time.monotonic() - started < LOST_WITHIN_S + 5:
+            answer = httpx.post(f"{router.url}/v1/chat/completions", json=body, headers=headers, timeout=60)
+            statuses.append(answer.status_code)
+            if len(statuses) % 10 == 0:  # the worker's periodic reconcile
+                services.deployment_reconcile(deployment_id=deployment.pk)
+                gone = not Endpoint.objects.filter(name=victim.metadata.name, health=Health.HEALTHY).exists()
+                if gone and left_after is None:
+                    left_after = time.monotonic() - started
+        print(f"node loss under traffic: {len(statuses)} requests, endpoint out after {left_after} s")
+        assert statuses and set(statuses) == {200}, statuses
+        assert left_after is not None and left_after <= LOST_WITHIN_S
+        ingest_usage.apply()
+        billed = UsageRecord.objects.filter(api_key=key.api_key)
+        assert billed.count() == len(statuses)
+        assert billed.values("request_id").distinct().count() == len(statuses)
+    finally:
+        router.stop()
+        remove(deployment, kube_admin, wait=False)
