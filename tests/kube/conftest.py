@@ -49,18 +49,23 @@ def kubectl(control_plane, *args: str, input: str | None = None, kubeconfig=None
     return run.stdout
 
 
-@pytest.fixture(scope="session")
-def platform_installed(control_plane):
-    """The CRDs the platform needs, then the dev overlay, applied server-side as an operator would."""
-    kubectl(control_plane, "apply", "--server-side", "-f", str(DEPLOY / "crds"))
+def crds_established(control_plane, timeout: float = 60) -> None:
+    """Wait until every CRD the API server holds serves its kind (a CRD just made has no status yet)."""
     extensions = client.ApiextensionsV1Api(control_plane.api())
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + timeout
     while not all(
         any(c.type == "Established" and c.status == "True" for c in crd.status.conditions or [])
         for crd in extensions.list_custom_resource_definition().items
     ):
-        assert time.monotonic() < deadline, "the CRDs were not established within 60 s"
+        assert time.monotonic() < deadline, f"the CRDs were not established within {timeout} s"
         time.sleep(0.2)
+
+
+@pytest.fixture(scope="session")
+def platform_installed(control_plane):
+    """The CRDs the platform needs, then the dev overlay, applied server-side as an operator would."""
+    kubectl(control_plane, "apply", "--server-side", "-f", str(DEPLOY / "crds"))
+    crds_established(control_plane)
     kubectl(control_plane, "apply", "--server-side", "-k", str(DEPLOY / "overlays" / "dev"))
     return control_plane
 

@@ -5,20 +5,21 @@ nothing more."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
 from kubernetes import client
 
-from .conftest import DEPLOY, kubectl
+from .conftest import DEPLOY, crds_established, kubectl
 from .harness import service_account_token
 
 pytestmark = [pytest.mark.kube, pytest.mark.kubectl]
 
 OVERLAYS = sorted(path.name for path in (DEPLOY / "overlays").iterdir() if path.is_dir())
-# The Prometheus Operator's kinds: their CRDs come with the operator (kube-prometheus-stack), which cannot be
-# installed here (no network); their schemas are checked in tests/deploy instead.
-OPERATOR_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
+# The Prometheus Operator's CRDs (ServiceMonitor, PodMonitor, PrometheusRule), which deploy/monitoring needs first:
+# they come with the operator on a cluster; here, from tests/kube/crds (see its README).
+OPERATOR_CRDS = Path(__file__).parent / "crds"
 
 
 def versions(control_plane, manifest: str) -> dict[str, str]:
@@ -57,11 +58,12 @@ def test_each_overlay_applies_server_side_and_again_changes_nothing(platform_ins
 
 
 def test_the_monitoring_objects_apply_server_side(platform_installed):
+    kubectl(platform_installed, "apply", "--server-side", "-f", str(OPERATOR_CRDS))
+    crds_established(platform_installed)
     manifest = kubectl(platform_installed, "kustomize", str(DEPLOY / "monitoring"))
-    objects = [obj for obj in yaml.safe_load_all(manifest) if obj]
-    applicable = [obj for obj in objects if obj["kind"] not in OPERATOR_KINDS]
-    assert {obj["kind"] for obj in applicable} == {"NetworkPolicy", "ConfigMap"}
-    apply_twice(platform_installed, yaml.safe_dump_all(applicable))
+    kinds = {obj["kind"] for obj in yaml.safe_load_all(manifest) if obj}
+    assert kinds == {"ServiceMonitor", "PodMonitor", "PrometheusRule", "NetworkPolicy", "ConfigMap"}
+    apply_twice(platform_installed, manifest)
 
 
 # --- the worker's ServiceAccount ------------------------------------------------------------------------------
