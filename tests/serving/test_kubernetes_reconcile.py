@@ -23,7 +23,6 @@ from django.test import override_settings
 
 from serving import services
 from serving.models import ModelDeployment, ObservedStatus, OrchestratorKind, Pool
-from serving.orchestrators import kube_render as render
 from serving.orchestrators.kube_api import KubernetesError
 
 pytestmark = pytest.mark.django_db
@@ -168,17 +167,6 @@ def reconcile(deployment: ModelDeployment):
     result = services.deployment_reconcile(deployment_id=deployment.pk)
     deployment.refresh_from_db()
     return result
-
-
-def pod_labels(deployment: ModelDeployment, pool: str = "main", **extra) -> dict:
-    """The labels of a pool's pods (tests/serving/test_engine_egress.py matches policies against them)."""
-    return {
-        render.LABEL_MANAGED_BY: render.MANAGER,
-        render.LABEL_DEPLOYMENT: deployment.name,
-        render.LABEL_DEPLOYMENT_ID: str(deployment.pk),
-        render.LABEL_POOL: pool,
-        **extra,
-    }
 
 
 def test_an_injected_conflict_is_retried_with_backoff(cluster):
