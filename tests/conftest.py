@@ -1,8 +1,13 @@
 """Shared fixtures. Tests run against the real PostgreSQL and Redis that `make test` provides.
 
-Tests that need more than that are marked here, from what they use, so that `make test-fast` can leave them out:
-`vllm` (a real vLLM engine), `browser` (headless Chromium) and `kubectl` (marked by its modules). Modules of pure
-functions mark themselves `unit`: `make test-unit` runs those alone, with no database or Redis.
+Each test declares its tier, what it needs beyond that, by a marker on the test or on its module
+(`pytestmark`), or, for the vLLM half of a test run on each engine, on its parameter (`pytest.param("vllm",
+marks=pytest.mark.vllm)`, as `serving.engines.BOTH_ENGINES` does): `vllm` (a real vLLM engine), `browser`
+(headless Chromium), `kubectl`, `kube` (the control-plane tier) and `agents` (the coding agents' CLIs), which
+`make test-fast` leaves out; `unit` (pure functions, which `make test-unit` runs alone with no database or
+Redis; `heavy` ones only in `make test`). A test with none of these is in the fast tier. Nothing infers a
+tier: collection fails, naming the test and the marker, when a test or a fixture it depends on starts vLLM or
+drives Chromium without declaring it.
 """
 
 from __future__ import annotations
@@ -85,20 +90,18 @@ def make_usage(key: IssuedKey, request_id: str, **fields) -> UsageRecord:
     )
 
 
-# --- markers: what a test needs beyond PostgreSQL, Redis and the simulator ------------------------------------
+# --- tiers: what a test needs beyond PostgreSQL, Redis and the simulator --------------------------------------
+# Nothing here adds a marker; this only checks the declarations. A test that starts a real vLLM engine or
+# drives Chromium without declaring so would run in `make test-fast`, which has neither, so collection fails
+# and names it.
 
 # Source that starts a real vLLM engine: `start_engine("vllm")`, `start_engines("vllm", ...)`, or the engine
 # environment's interpreter itself (not `settings.ENGINE_PYTHON`, which only names it in a command line).
 STARTS_VLLM = re.compile(r'start_engines?\(\s*"vllm"|(?<![.\w])ENGINE_PYTHON\b')
 STARTS_BROWSER = re.compile(r"\bplaywright\b")
-ENGINE_KINDS = {
-    "sim": "sim",
-    "sim_engine": "sim",
-    "demo_sim": "sim",
-    "vllm": "vllm",
-    "vllm_engine": "vllm",
-    "demo_vllm": "vllm",
-}
+# Parameters that pick a sim/vLLM pair's half: an engine fixture's own params, or an engine fixture's name.
+SIM_HALVES = {"sim", "sim_engine", "demo_sim"}
+VLLM_HALVES = {"vllm_engine", "demo_vllm"}
 
 
 @functools.cache
@@ -109,34 +112,56 @@ def _source(function) -> str:
         return ""
 
 
-def _uses(item, pattern: re.Pattern, *, body: bool = True) -> bool:
-    """Whether the test (with `body`), or any fixture it depends on (directly or not), has source matching
-    `pattern`."""
-    functions = [item.function] if body else []
-    for name in item.fixturenames:
-        functions += [definition.func for definition in item._fixtureinfo.name2fixturedefs.get(name, ())]
-    return any(pattern.search(_source(function)) for function in functions)
+def _fixtures(item) -> list:
+    """The fixtures the test depends on, directly or not."""
+    names = item._fixtureinfo.name2fixturedefs
+    return [definition for name in item.fixturenames for definition in names.get(name, ())]
 
 
-def _engine_kind(item) -> str | None:
-    """The engine a test pair's half runs on, for tests parametrized over the simulator and vLLM."""
+def _halves(item) -> set[str]:
+    """The engine a sim/vLLM pair's half runs on: {"sim"}, {"vllm"} or neither. "vllm" as a plain test
+    parameter (a field's value, say) names no engine; as an engine fixture's param, it does."""
     params = getattr(item, "callspec", None)
-    kinds = {
-        ENGINE_KINDS.get(value)
-        for value in (params.params.values() if params else ())
-        if isinstance(value, str)
-    }
-    return "vllm" if "vllm" in kinds else "sim" if "sim" in kinds else None
+    halves = set()
+    for name, value in params.params.items() if params else ():
+        if not isinstance(value, str):
+            continue
+        definitions = item._fixtureinfo.name2fixturedefs.get(name, ())
+        parametrizes_fixture = any(definition.params for definition in definitions)
+        if value in SIM_HALVES:
+            halves.add("sim")
+        elif value in VLLM_HALVES or (value == "vllm" and parametrizes_fixture):
+            halves.add("vllm")
+    return halves
+
+
+def _undeclared(item) -> list[str]:
+    """Why the test needs a tier marker it does not carry, if it does."""
+    halves = _halves(item)
+    # A pair's simulator half needs no vLLM, though the body it shares with the other half names it.
+    functions = [definition.func for definition in _fixtures(item)]
+    body = [] if "sim" in halves else [item.function]
+    reasons = []
+    if not item.get_closest_marker("vllm"):
+        if "vllm" in halves:
+            reasons.append(
+                "vllm: its parameter picks the vLLM engine (pytest.param(..., marks=pytest.mark.vllm))"
+            )
+        elif starts := [f.__name__ for f in body + functions if STARTS_VLLM.search(_source(f))]:
+            reasons.append(f"vllm: {', '.join(starts)} starts a real vLLM engine")
+    if not item.get_closest_marker("browser"):
+        if drives := [f.__name__ for f in [item.function, *functions] if STARTS_BROWSER.search(_source(f))]:
+            reasons.append(f"browser: {', '.join(drives)} drives Chromium")
+    return reasons
 
 
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        kind = _engine_kind(item)
-        # A sim/vLLM pair's simulator half needs no vLLM, though the body it shares with the other half names it.
-        if kind == "vllm" or _uses(item, STARTS_VLLM, body=kind is None):
-            item.add_marker(pytest.mark.vllm)
-        if _uses(item, STARTS_BROWSER):
-            item.add_marker(pytest.mark.browser)
+    undeclared = [f"{item.nodeid}: {reason}" for item in items for reason in _undeclared(item)]
+    if undeclared:
+        raise pytest.UsageError(
+            "tests that need a tier they do not declare (mark the test, its module or its parameter):\n  "
+            + "\n  ".join(undeclared)
+        )
 
 
 # What a unit test may not use (`make test-unit` runs them with no database or Redis to be had).

@@ -304,7 +304,7 @@ def agent_session(engine: RunningEngine, workspace: tuple[Path, Path], cli: str)
         fleet.router.stop()
 
 
-ENGINES = ["demo_sim", "demo_vllm"]
+ENGINES = ["demo_sim", pytest.param("demo_vllm", marks=pytest.mark.vllm)]
 
 
 @pytest.mark.parametrize("engine", ENGINES, ids=["simulator", "vllm"])
@@ -344,10 +344,12 @@ def test_the_simulated_model_ends_its_answers(demo_sim):
     answers_end_by_themselves(demo_sim)
 
 
+@pytest.mark.vllm
 def test_vllm_on_dummy_weights_ends_its_answers(demo_vllm):
     answers_end_by_themselves(demo_vllm)
 
 
+@pytest.mark.vllm
 @pytest.mark.parametrize("captured", CAPTURED, ids=lambda path: path.stem)
 def test_the_router_renders_the_agents_captured_requests_as_vllm_does(demo_vllm, captured):
     """Token id for token id, the prompt vLLM's own renderer makes of each CLI's real request."""

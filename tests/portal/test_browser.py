@@ -27,6 +27,8 @@ from tenants.usage_stream import stream_key, usage_redis
 from ..conftest import make_usage
 from .test_live import emit
 
+pytestmark = pytest.mark.browser
+
 CHROMIUM = Path("/usr/bin/chromium")
 OUTPUT = Path(__file__).resolve().parents[2] / "test-output"
 

@@ -10,6 +10,7 @@ import time
 from datetime import timedelta
 from decimal import Decimal
 
+import pytest
 import redis
 from django.conf import settings
 from django.db import connection
@@ -24,6 +25,8 @@ from tenants.billing import usage_rollup
 from tenants.models import UsageRecord
 
 from .test_browser import OUTPUT, page, running_fleet, server, sign_in  # noqa: F401  (fixtures)
+
+pytestmark = pytest.mark.browser
 
 # What each page's charts must show: chart id -> the series' labels.
 TRAFFIC = ["Requests", "Failed", "Cancelled", "Rejected (queue)"]

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
+import pytest
+
 from .test_browser import CHROMIUM, server, sign_in  # noqa: F401  (server: a fixture)
+
+pytestmark = pytest.mark.browser
 
 
 def test_times_read_in_the_viewers_timezone_with_utc_on_hover(world, server):  # noqa: F811

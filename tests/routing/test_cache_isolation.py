@@ -228,15 +228,18 @@ def vllm_fleet(router_process, vllm_engine: RunningEngine) -> Fleet:
     return make_fleet(router_process, [vllm_engine])
 
 
+@pytest.mark.vllm
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
 def test_another_tenant_finds_nothing_of_a_tenants_prompt_cached_on_vllm(vllm_fleet, path):
     isolates_tenants(vllm_fleet, f"vllm-{path.rsplit('/', 1)[1]}", path)
 
 
+@pytest.mark.vllm
 def test_tenants_of_one_kv_cache_group_share_hits_on_vllm(vllm_fleet):
     shares_within_a_group(vllm_fleet, "vllm-group")
 
 
+@pytest.mark.vllm
 def test_precise_routing_predicts_salted_hits_on_vllm(ingester_process, vllm_engine):  # noqa: F811
     fleet = precise_fleet([vllm_engine])
     try:
@@ -245,6 +248,7 @@ def test_precise_routing_predicts_salted_hits_on_vllm(ingester_process, vllm_eng
         fleet.router.stop()
 
 
+@pytest.mark.vllm
 def test_a_growing_agent_session_is_predicted_turn_by_turn_on_vllm(ingester_process, vllm_engine):  # noqa: F811
     fleet = precise_fleet([vllm_engine])
     try:

@@ -166,6 +166,7 @@ def test_a_busy_prefix_holder_serves_a_peer_pull(router_process):
             engine.stop()
 
 
+@pytest.mark.vllm
 def test_a_busy_prefix_holder_serves_a_peer_pull_on_real_vllm(router_process):
     engines = start_engines("vllm", ["kv_both", "kv_both"])
     try:
@@ -328,6 +329,7 @@ def vllm_pd():
     decode.stop()
 
 
+@pytest.mark.vllm
 def test_real_vllm_prefill_and_decode_over_nixl_through_the_router(router_process, vllm_pd):
     from tenants.models import UsageRecord
     from tenants.usage_stream import usage_ingest_until_empty

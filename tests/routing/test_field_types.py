@@ -117,6 +117,7 @@ def test_a_json_answer_to_a_request_taken_for_a_stream_is_billed_as_an_answer(ro
     assert (event.prompt_tokens, event.output_tokens, event.status) == (1500, 700, "completed")
 
 
+@pytest.mark.vllm
 def test_vllm_reads_the_string_false_as_false_and_the_router_refuses_it(router_process, vllm_engine):
     """The hole, on the real engine: vLLM answers `"stream": "false"` with one JSON body. Through the router the
     same request is a 400, so no answer leaves unbilled."""

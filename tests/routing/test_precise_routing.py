@@ -140,6 +140,7 @@ def second_vllm_engine():
     engine.stop()
 
 
+@pytest.mark.vllm
 def test_precise_routing_on_two_real_vllm_engines(ingester_process, vllm_engine, second_vllm_engine):
     engines = [vllm_engine, second_vllm_engine]
     fleet = precise_fleet(engines)

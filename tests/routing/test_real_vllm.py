@@ -12,6 +12,8 @@ from .conftest import make_fleet
 from .router_metrics import router_metrics
 from .usage import usage_events
 
+pytestmark = pytest.mark.vllm
+
 
 @pytest.fixture
 def vllm_fleet(router_process, vllm_engine):

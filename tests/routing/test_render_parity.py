@@ -28,6 +28,7 @@ def first_difference(mine: list[int], theirs: list[int]) -> str:
     return f"{len(mine)} ids against the engine's {len(theirs)}, first different at {at}"
 
 
+@pytest.mark.vllm
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
 def test_the_router_renders_each_agent_shape_as_vllm_does(vllm_engine, tokenizer, case):
     reply = httpx.post(
@@ -39,6 +40,7 @@ def test_the_router_renders_each_agent_shape_as_vllm_does(vllm_engine, tokenizer
     assert mine == expected, first_difference(mine, expected)
 
 
+@pytest.mark.vllm
 @pytest.mark.parametrize(
     "case", [c for c in OPENAI_CASES if "tool_choice" not in c.payload], ids=lambda case: case.name
 )

@@ -163,6 +163,7 @@ def vllm_fleet(router_process, vllm_engine):
     return make_fleet(router_process, [vllm_engine])
 
 
+@pytest.mark.vllm
 @settings(max_examples=60, **FUZZ_SETTINGS)
 @given(request=requests())
 def test_no_route_answers_a_5xx_or_an_unbilled_answer_on_vllm(vllm_fleet, request):

@@ -26,6 +26,8 @@ from .conftest import Fleet, make_fleet
 from .test_engine_errors import HostileEngine
 from .usage import usage_events
 
+pytestmark = pytest.mark.vllm
+
 READ_FILE = {
     "name": "read_file",
     "description": "Read a file of the repository.",

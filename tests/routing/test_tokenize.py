@@ -23,7 +23,9 @@ def tokenizer() -> RouterTokenizer:
     return RouterTokenizer(MODEL_DIR)
 
 
-@pytest.mark.parametrize("engine_fixture", ["sim_engine", "vllm_engine"])
+@pytest.mark.parametrize(
+    "engine_fixture", ["sim_engine", pytest.param("vllm_engine", marks=pytest.mark.vllm)]
+)
 def test_it_tokenises_chat_exactly_as_the_engine(request, tokenizer, engine_fixture):
     engine = request.getfixturevalue(engine_fixture)
     expected = httpx.post(

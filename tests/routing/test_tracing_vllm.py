@@ -13,6 +13,8 @@ from ..serving.engines import MODEL_NAME, start_engine
 from .conftest import make_fleet, start_router
 from .test_tracing import CHAT, Receiver, attributes
 
+pytestmark = pytest.mark.vllm
+
 
 @pytest.fixture
 def receiver():

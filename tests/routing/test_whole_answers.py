@@ -231,6 +231,7 @@ def test_an_assembled_answer_is_the_simulators_unstreamed_answer(router_process)
         engine.stop()
 
 
+@pytest.mark.vllm
 def test_an_assembled_answer_is_vllms_unstreamed_answer(router_process, vllm_engine):
     """On the session's vLLM engine."""
     engine = vllm_engine

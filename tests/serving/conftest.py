@@ -9,10 +9,10 @@ import pytest
 
 from serving.orchestrators import processes
 
-from .engines import RunningEngine
+from .engines import BOTH_ENGINES, RunningEngine
 
 
-@pytest.fixture(params=["sim", "vllm"])
+@pytest.fixture(params=BOTH_ENGINES)
 def engine(request) -> RunningEngine:
     """Each conformance test runs once against the simulator and once against real vLLM."""
     return request.getfixturevalue(f"{request.param}_engine")

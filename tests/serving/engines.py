@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import msgpack
+import pytest
 import zmq
 
 from inference_platform.ports import free_port
@@ -23,6 +24,8 @@ MODEL_DIR = ROOT / "models" / "tiny-qwen"
 MODEL_NAME = "tiny-qwen"
 ENGINE_PYTHON = Path(os.environ.get("ENGINE_PYTHON", ROOT / ".venv-engine" / "bin" / "python"))
 LOG_DIR = ROOT / ".local" / "test-engines"
+# The params of a fixture or test run once on each engine: the vLLM half declares its tier.
+BOTH_ENGINES = ["sim", pytest.param("vllm", marks=pytest.mark.vllm)]
 
 
 _vllm_cores = itertools.cycle(sorted(os.sched_getaffinity(0)))

@@ -7,12 +7,12 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from .engines import start_engine
+from .engines import BOTH_ENGINES, start_engine
 
 KEY = "engine-key-for-this-test"
 
 
-@pytest.fixture(params=["sim", "vllm"])
+@pytest.fixture(params=BOTH_ENGINES)
 def keyed_engine(request):
     engine = start_engine(request.param, "--api-key", KEY, events=False)
     yield engine

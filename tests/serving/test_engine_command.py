@@ -359,6 +359,7 @@ print(json.dumps(seen))
 """
 
 
+@pytest.mark.vllm
 @pytest.mark.skipif(not ENGINE_PYTHON.exists(), reason="no engine environment (make test builds it)")
 def test_vllms_own_argument_parser_takes_every_familys_flags():
     """vLLM parses and checks the command as its server does, and loads each family's parser classes."""

@@ -19,7 +19,16 @@ import httpx
 import openai
 import pytest
 
-from .engines import ENGINE_PYTHON, MODEL_DIR, MODEL_NAME, ROOT, EventSubscriber, events_of, start_engine
+from .engines import (
+    BOTH_ENGINES,
+    ENGINE_PYTHON,
+    MODEL_DIR,
+    MODEL_NAME,
+    ROOT,
+    EventSubscriber,
+    events_of,
+    start_engine,
+)
 
 # A prompt of token ids: three full 128-token blocks and a partial one.
 PROMPT_IDS = [(i * 7 + 11) % 3000 + 100 for i in range(3 * 128 + 40)]
@@ -245,6 +254,7 @@ def test_it_refuses_a_prompt_longer_than_the_context(engine):
     assert "maximum context length is 4096 tokens" in response.json()["error"]["message"]
 
 
+@pytest.mark.vllm
 @pytest.mark.parametrize(
     "body",
     [
@@ -267,6 +277,7 @@ def test_the_two_engines_tokenize_alike(sim_engine, vllm_engine, body):
     assert results[0]["max_model_len"] == results[1]["max_model_len"] == 4096
 
 
+@pytest.mark.vllm
 def test_the_two_engines_hash_blocks_alike(sim_engine, vllm_engine):
     prompt = [t + 3 for t in PROMPT_IDS]
     hashes = []
@@ -287,6 +298,7 @@ def test_the_two_engines_hash_blocks_alike(sim_engine, vllm_engine):
     assert hashes[0] == hashes[1]
 
 
+@pytest.mark.vllm
 @pytest.mark.parametrize(
     "path, body",
     [
@@ -385,7 +397,7 @@ def anthropic_sdk(engine) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=engine.url, api_key="unused", max_retries=0, timeout=120)
 
 
-@pytest.fixture(params=["sim", "vllm"])
+@pytest.fixture(params=BOTH_ENGINES)
 def engine_without_parser(request):
     """An engine of each kind started without a tool-call parser; vLLM's, a minute of start-up, only for the one
     test that needs it."""
@@ -452,7 +464,7 @@ def test_without_a_tool_parser_tools_are_refused_as_vllm_refuses_them(engine_wit
     assert caught.value.body["error"] == {"type": "BadRequestError", "message": AUTO_REFUSAL}
 
 
-@pytest.mark.parametrize("kind", ["sim", "vllm"])
+@pytest.mark.parametrize("kind", BOTH_ENGINES)
 def test_auto_tool_choice_without_a_parser_fails_at_start_up(kind):
     argv = (
         [sys.executable, "-m", "simulator"]
@@ -481,7 +493,7 @@ LONGER_THAN_THE_MODEL = re.compile(
 )
 
 
-@pytest.mark.parametrize("kind", ["sim", "vllm"])
+@pytest.mark.parametrize("kind", BOTH_ENGINES)
 def test_a_max_model_len_beyond_the_model_fails_at_start_up(kind):
     argv = (
         [sys.executable, "-m", "simulator"]
@@ -619,6 +631,7 @@ def shape(value):
     return type(value).__name__ if value is not None else None
 
 
+@pytest.mark.vllm
 def test_the_two_engines_answer_a_tool_call_with_the_same_fields(sim_engine, vllm_engine):
     chat = {
         "model": MODEL_NAME,
@@ -656,6 +669,7 @@ def test_the_two_engines_answer_a_tool_call_with_the_same_fields(sim_engine, vll
         assert reply["messages"]["content"][0]["id"].startswith("chatcmpl-tool-")
 
 
+@pytest.mark.vllm
 def test_the_two_engines_tokenize_a_tool_conversation_alike(sim_engine, vllm_engine):
     body = {"model": MODEL_NAME, "messages": OPENAI_HISTORY, "tools": [OPENAI_TOOL]}
     results = [
@@ -732,6 +746,7 @@ def test_salted_blocks_are_announced_with_their_salt(engine):
     assert set(plain["block_hashes"]).isdisjoint(salted["block_hashes"])
 
 
+@pytest.mark.vllm
 def test_the_two_engines_hash_salted_blocks_alike(sim_engine, vllm_engine):
     prompt = [t + 5 for t in PROMPT_IDS]
     hashes = []
@@ -1085,6 +1100,7 @@ def test_a_forced_call_is_a_function_call_item(engine, choice):
     assert body["usage"]["total_tokens"] == body["usage"]["input_tokens"] + body["usage"]["output_tokens"]
 
 
+@pytest.mark.vllm
 def test_the_two_engines_answer_responses_with_the_same_fields(sim_engine, vllm_engine):
     """The Response object and each kind of event have the same fields on both engines (a text answer, and a
     forced call), and the same events come in the same order."""
@@ -1108,6 +1124,7 @@ def test_the_two_engines_answer_responses_with_the_same_fields(sim_engine, vllm_
     assert replies[0] == replies[1]
 
 
+@pytest.mark.vllm
 @pytest.mark.parametrize("input_items", [CODEX_INPUT, CODEX_HISTORY], ids=["first-turn", "later-turn"])
 def test_the_two_engines_render_a_codex_request_alike(sim_engine, vllm_engine, input_items):
     body = {**CODEX_REQUEST, "input": input_items, "tool_choice": "none", "max_output_tokens": 1}

@@ -285,6 +285,7 @@ print(json.dumps(seen))
 """
 
 
+@pytest.mark.vllm
 @pytest.mark.skipif(not ENGINE_PYTHON.exists(), reason="no engine environment (make test builds it)")
 def test_vllm_takes_the_flag_refuses_a_metadata_url_and_still_takes_inline_media():
     """The command as rendered, parsed by vLLM's own server parser and given to its media loader."""

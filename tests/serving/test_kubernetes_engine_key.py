@@ -18,6 +18,8 @@ from serving.orchestrators import kube_render
 
 from .engines import MODEL_NAME, RunningEngine, start_engine
 
+pytestmark = pytest.mark.vllm
+
 DEPLOYMENT_ID = 72001
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
 

@@ -32,6 +32,7 @@ READ_REGISTRIES = (
 )
 
 
+@pytest.mark.vllm
 @pytest.mark.skipif(not ENGINE_PYTHON.exists(), reason="no engine environment (make test builds it)")
 def test_the_parser_names_are_the_pinned_vllms_own():
     run = subprocess.run(
