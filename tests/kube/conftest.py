@@ -19,7 +19,9 @@ ENGINES_NAMESPACE = "inference"
 _node_names = itertools.count(1)
 
 
-@pytest.fixture(scope="session")
+# Package scope: the control plane runs while this folder's tests do, not for the rest of the suite (pytest-django
+# runs transactional tests last, so the folder's tests may come in two runs, each starting it in 5-10 s).
+@pytest.fixture(scope="package")
 def control_plane(tmp_path_factory):
     try:
         plane = ControlPlane(tmp_path_factory.mktemp("control-plane"))
@@ -31,7 +33,7 @@ def control_plane(tmp_path_factory):
         plane.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def kube_admin(control_plane) -> client.ApiClient:
     return control_plane.api()
 
@@ -61,7 +63,7 @@ def crds_established(control_plane, timeout: float = 60) -> None:
         time.sleep(0.2)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def platform_installed(control_plane):
     """The CRDs the platform needs, then the dev overlay, applied server-side as an operator would."""
     kubectl(control_plane, "apply", "--server-side", "-f", str(DEPLOY / "crds"))

@@ -18,8 +18,9 @@ from .test_reconcile import pods, reconcile_until, remove, sim_deployment
 
 pytestmark = [pytest.mark.kube, pytest.mark.kubectl, pytest.mark.django_db(transaction=True)]
 
-# The controller-manager's node-monitor grace period (Kubernetes' default, 50 s), then one reconcile pass.
-LOST_WITHIN_S = 50 + 15
+# The controller-manager's node-monitor grace period (Kubernetes' default, 50 s), its 5 s monitor period, and the
+# reconcile passes after it, with room for a busy host: 52 s was measured on an idle one.
+LOST_WITHIN_S = 50 + 5 + 30
 
 
 def _serving_nodes(kube_admin, deployment) -> set[str]:
@@ -142,7 +143,9 @@ def test_requests_through_a_node_loss_are_served_and_billed_once(worker_cluster,
             "messages": [{"role": "user", "content": "list the files"}],
             "max_tokens": 8,
         }
-        while time.monotonic() - started < LOST_WITHIN_S + 5:
+        after_left = 0  # requests sent once the endpoint left: the router must serve those from the live one
+        while time.monotonic() - started < LOST_WITHIN_S + 5 and after_left < 20:
+            after_left += left_after is not None
             answer = httpx.post(f"{router.url}/v1/chat/completions", json=body, headers=headers, timeout=60)
             statuses.append(answer.status_code)
             if len(statuses) % 10 == 0:  # the worker's periodic reconcile
