@@ -8,7 +8,7 @@
 - `FakeNodes`, a stand-in for the nodes' kubelets as KWOK plays them: Node objects with GPU capacity, kept Ready by
   renewing their Leases; a node whose heartbeats stop turns unreachable and its pods are evicted, as on a cluster.
 - `FakeKubelet`, a stand-in for the kubelet's pod work (no containers can run here): it watches pods bound to the
-  fake nodes, gives each a distinct loopback address (127.0.1.N), starts the pod's engine from the container's own
+  fake nodes, gives each a distinct loopback address (127.P.x.y, P from the process id), starts the pod's engine from the container's own
   command and environment (`python3 -m simulator ...`, with `$(VAR)` expanded and Secrets read as a kubelet
   does), bound to that address, and reports the pod Running, then Ready once the engine answers `/health`, as a
   readiness probe would. A deleted pod's engine is stopped and its deletion confirmed. The one rewrite it makes:
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import itertools
 import os
 import re
 import signal
@@ -227,6 +228,17 @@ def expand(text: str, env: dict[str, str]) -> str:
     return ENV_REFERENCE.sub(one, text)
 
 
+# Pod IPs are never handed out twice by one process (an engine of an earlier test may still be stopping on its
+# address), and two processes running the tier at once draw from different ranges: 127.<from the pid>.x.y.
+_pod_ips = itertools.count(1)
+_POD_NET = 1 + os.getpid() % 250
+
+
+def next_pod_ip() -> str:
+    number = next(_pod_ips)
+    return f"127.{_POD_NET}.{number // 250 % 250}.{number % 250 + 1}"
+
+
 @dataclass
 class PodProcess:
     name: str
@@ -249,7 +261,6 @@ class FakeKubelet:
         self.run_engines = run_engines
         self.nodes = nodes
         self.pods: dict[str, PodProcess] = {}  # uid -> the pod's process
-        self.next_ip = 1
         self.lock = threading.Lock()
         self.stopped = threading.Event()
         self.threads = [
@@ -261,9 +272,7 @@ class FakeKubelet:
 
     # the pod's address and process
     def _address(self) -> str:
-        with self.lock:
-            number, self.next_ip = self.next_ip, self.next_ip + 1
-        return f"127.0.1.{number}" if number < 255 else f"127.0.{1 + number // 254}.{number % 254 + 1}"
+        return next_pod_ip()
 
     def _env(self, pod: client.V1Pod, container: client.V1Container, ip: str) -> dict[str, str]:
         env = {}

@@ -51,6 +51,15 @@ def reconcile(deployment: ModelDeployment):
     return result
 
 
+def rows_settled(deployment: ModelDeployment) -> bool:
+    """Every endpoint row healthy and one per replica of each pool: a pass reads the pods before the workloads'
+    status, so a pod that turned ready in between counts as ready there before it has its row."""
+    rows = list(Endpoint.objects.filter(pool__deployment=deployment))
+    return all(e.health == Health.HEALTHY for e in rows) and all(
+        sum(e.pool_id == pool.pk for e in rows) >= pool.replicas for pool in deployment.pools.all()
+    )
+
+
 def reconcile_until(deployment: ModelDeployment, done, timeout: float = 120.0, *, all_healthy: bool = True):
     """Reconcile until `done(result)`; a ready result also waits for every endpoint row to be healthy (rows are
     read at the start of a pass) unless `all_healthy` is off (a lost node's pods stay, unhealthy)."""
@@ -58,9 +67,7 @@ def reconcile_until(deployment: ModelDeployment, done, timeout: float = 120.0, *
     while True:
         result = reconcile(deployment)
         if done(result) and (
-            result.status != ObservedStatus.READY
-            or not all_healthy
-            or all(e.health == Health.HEALTHY for e in Endpoint.objects.filter(pool__deployment=deployment))
+            result.status != ObservedStatus.READY or not all_healthy or rows_settled(deployment)
         ):
             return result
         assert time.monotonic() < deadline, f"not there within {timeout} s: {result}"
