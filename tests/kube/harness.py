@@ -51,6 +51,20 @@ GPU = "nvidia.com/gpu"
 LEASE_EVERY_S = 2.0
 
 
+def stop_group(process: subprocess.Popen, timeout: float) -> None:
+    """SIGTERM a process started in a session of its own and everything it started; SIGKILL after `timeout`."""
+    if process.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
 class ControlPlaneMissing(RuntimeError):
     """The binaries or the start script are not on this machine."""
 
@@ -121,13 +135,7 @@ class ControlPlane:
         return path
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=40)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
+        stop_group(self.process, timeout=40)  # the API server takes up to ~10 s to stop after heavy use
         self.log.close()
 
 
@@ -416,14 +424,8 @@ class FakeKubelet:
     def _stop(self, uid: str) -> None:
         with self.lock:
             running = self.pods.pop(uid, None)
-        if running and running.process and running.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(running.process.pid, signal.SIGTERM)
-            try:
-                running.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(running.process.pid, signal.SIGKILL)
-                running.process.wait()
+        if running and running.process:
+            stop_group(running.process, timeout=15)
 
     def lose_node(self, name: str) -> list[PodProcess]:
         """A node dies: its heartbeats stop and its engines with it (nothing confirms its pods' deletion any

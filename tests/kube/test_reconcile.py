@@ -155,39 +155,6 @@ def test_pods_past_the_gpus_the_nodes_hold_stay_pending_and_the_status_says_so(
         remove(deployment, kube_admin)
 
 
-def test_a_scale_down_deletes_the_drained_pod_and_the_replica_set_honours_its_cost(
-    worker_cluster, kube_admin, nodes, kubelet
-):
-    nodes.make(1, gpus=8)
-    deployment = sim_deployment("kube-drain", replicas=3, gpus=1)
-    try:
-        reconcile_until(deployment, lambda r: r.status == ObservedStatus.READY)
-        pool = deployment.pools.get()
-        pool.replicas = 2
-        pool.save()
-        reconcile(deployment)
-        (victim,) = Endpoint.objects.filter(pool=pool, draining_since__isnull=False)
-        annotations = (
-            client.CoreV1Api(kube_admin).read_namespaced_pod(victim.name, NAMESPACE).metadata.annotations
-        )
-        assert annotations["controller.kubernetes.io/pod-deletion-cost"] == "-1000000"
-        # Nothing in flight: the next passes scale the Deployment down, and the ReplicaSet controller deletes the
-        # pod of lowest cost, the drained one, among three alike.
-        reconcile_until(
-            deployment,
-            lambda r: (
-                r.status == ObservedStatus.READY
-                and len(pods(kube_admin, deployment)) == 2
-                and Endpoint.objects.filter(pool=pool).count() == 2
-            ),
-            timeout=60,
-        )
-        assert victim.name not in {pod.metadata.name for pod in pods(kube_admin, deployment)}
-        assert not Endpoint.objects.filter(pool=pool, name=victim.name).exists()
-    finally:
-        remove(deployment, kube_admin)
-
-
 def test_a_new_revision_rolls_out_and_someone_else_s_edit_is_taken_back(
     worker_cluster, kube_admin, nodes, kubelet
 ):

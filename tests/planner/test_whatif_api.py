@@ -4,16 +4,10 @@ worker to the stored result, the input a run is refused with, and who may run or
 from __future__ import annotations
 
 import hashlib
-import os
-import subprocess
-import sys
 import time
 from datetime import timedelta
-from pathlib import Path
-from urllib.parse import quote
 
 import pytest
-from django.conf import settings
 from django.db import connection
 from django.utils import timezone
 
@@ -25,6 +19,7 @@ from serving.models import AutoscalingPolicy, EndpointLifetime
 from tenants.models import Role
 
 from ..conftest import make_usage, make_user
+from ..workers import celery_worker_process
 
 SESSIONS = 6  # per tenant
 TURNS = 4  # per session
@@ -112,12 +107,6 @@ def body(world, period, **changes) -> dict:
 # --- end to end, with a real worker ---------------------------------------------------------------------------
 
 
-def _database_url() -> str:
-    db = connection.settings_dict
-    auth = quote(db["USER"], safe="") + (":" + quote(db["PASSWORD"], safe="") if db["PASSWORD"] else "")
-    return f"postgresql://{auth}@{quote(db['HOST'], safe='')}:{db['PORT']}/{quote(db['NAME'], safe='')}"
-
-
 def whatif_queue() -> str:
     """The queue CELERY_TASK_ROUTES sends what-if runs to."""
     from inference_platform.celery import app
@@ -129,36 +118,10 @@ def whatif_queue() -> str:
 def celery_worker(transactional_db):
     from inference_platform.celery import app
 
-    app.control.purge()
-    queues = ",".join(sorted({app.conf.task_default_queue, whatif_queue()}))
-    log_file = Path(settings.STATE_DIR) / "test-whatif-worker.log"
-    with log_file.open("wb") as log:
-        worker = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "celery",
-                "-A",
-                "inference_platform",
-                "worker",
-                "--pool",
-                "solo",
-                "-Q",
-                queues,
-            ]
-            + ["--without-heartbeat", "--without-gossip", "--without-mingle", "--loglevel", "INFO"],
-            env={**os.environ, "DATABASE_URL": _database_url()},
-            cwd=settings.BASE_DIR,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    yield log_file
-    worker.terminate()
-    try:
-        worker.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        worker.kill()
-        worker.wait()
+    with celery_worker_process(
+        "test-whatif-worker.log", [app.conf.task_default_queue, whatif_queue()]
+    ) as log:
+        yield log
 
 
 def test_a_run_goes_from_recorded_traffic_through_the_worker_to_its_result(world, client_for, celery_worker):

@@ -5,23 +5,18 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
-from urllib.parse import quote
 
 import httpx
 import psutil
 import pytest
-from django.conf import settings
-from django.db import connection
 
 from serving import services
 from serving.models import Endpoint, EndpointLifetime, Health, ModelDeployment, ObservedStatus, Pool
 from serving.orchestrators import processes
 from tenants.models import Role
 from tests.conftest import make_user
+from tests.workers import celery_worker_process
 
 
 def marked_processes(owner: str) -> list[psutil.Process]:
@@ -233,52 +228,10 @@ def test_an_option_it_cannot_render_fails_clearly(deployment, owner):
 # --- through the API and a real Celery worker ----------------------------------------------------------
 
 
-def database_url_for_worker() -> str:
-    """The test database, as a URL the worker's settings read."""
-    db = connection.settings_dict
-    credentials = quote(db["USER"] or "", safe="")
-    if db["PASSWORD"]:
-        credentials += ":" + quote(db["PASSWORD"], safe="")
-    host = quote(db["HOST"] or "", safe="")
-    port = f":{db['PORT']}" if db["PORT"] else ""
-    return f"postgresql://{credentials}@{host}{port}/{db['NAME']}"
-
-
 @pytest.fixture
 def celery_worker(transactional_db, owner):
-    from inference_platform.celery import app
-
-    app.control.purge()
-    log_file = Path(settings.STATE_DIR) / "test-celery-worker.log"
-    with log_file.open("wb") as log:
-        worker = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "celery",
-                "-A",
-                "inference_platform",
-                "worker",
-                "--pool",
-                "solo",
-                "--without-heartbeat",
-                "--without-gossip",
-                "--without-mingle",
-                "--loglevel",
-                "INFO",
-            ],
-            env={**os.environ, "DATABASE_URL": database_url_for_worker()},
-            cwd=settings.BASE_DIR,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    yield log_file
-    worker.terminate()
-    try:
-        worker.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        worker.kill()
-        worker.wait()
+    with celery_worker_process("test-celery-worker.log") as log:
+        yield log
 
 
 def test_a_deployment_made_through_the_api_is_started_by_the_worker(celery_worker, client_for, owner):
