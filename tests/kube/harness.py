@@ -8,11 +8,13 @@
 - `FakeNodes`, a stand-in for the nodes' kubelets as KWOK plays them: Node objects with GPU capacity, kept Ready by
   renewing their Leases; a node whose heartbeats stop turns unreachable and its pods are evicted, as on a cluster.
 - `FakeKubelet`, a stand-in for the kubelet's pod work (no containers can run here): it watches pods bound to the
-  fake nodes, gives each a distinct loopback address (127.P.x.y, P from the process id), starts the pod's engine from the container's own
-  command and environment (`python3 -m simulator ...`, with `$(VAR)` expanded and Secrets read as a kubelet
-  does), bound to that address, and reports the pod Running, then Ready once the engine answers `/health`, as a
-  readiness probe would. A deleted pod's engine is stopped and its deletion confirmed. The one rewrite it makes:
-  `--host 0.0.0.0` becomes the pod's own address, since every pod here shares one network namespace.
+  fake nodes, gives each a distinct loopback address (127.P.x.y, P from the process id), starts the pod's engine
+  from the container's own command and environment (`python3 -m simulator ...`, with `$(VAR)` expanded and
+  Secrets read as a kubelet does), bound to that address, and reports the pod Running, then Ready once the engine
+  answers `/health`, as a readiness probe would. A deleted pod's engine is stopped and its deletion confirmed. The
+  one rewrite it makes: `--host 0.0.0.0` becomes the pod's own address, since every pod here shares one network
+  namespace. Only the engine pods run a process: the platform's own pods (from the overlays) are reported Ready
+  with nothing behind them.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ from kubernetes import client, config, watch
 from kubernetes.client.rest import ApiException
 
 from inference_platform.ports import free_port
+from serving.orchestrators.kube_render import LABEL_DEPLOYMENT_ID
+from tests import costs
 
 ROOT = Path(__file__).resolve().parents[2]
 ENVTEST_DIR = Path(os.environ.get("ENVTEST_DIR") or ROOT.parent / "shared" / "envtest")
@@ -107,7 +111,10 @@ class ControlPlane:
             env=env,
             start_new_session=True,
         )
+        started = time.monotonic()
         line = self.process.stdout.readline().decode().strip()
+        if line:
+            costs.record("Kubernetes control plane", time.monotonic() - started)
         if not line:
             self.stop()
             log = (state_dir / "start.log").read_text(errors="replace")[-3000:]
@@ -259,6 +266,24 @@ class PodProcess:
     started: float = field(default_factory=time.monotonic)
 
 
+_live_kubelets: list[FakeKubelet] = []
+
+
+def pods_report(tail: int = 1500) -> str:
+    """What the live kubelets run: each pod's address, readiness, exit code and the end of its engine's log (for a
+    test's failure message)."""
+    lines = []
+    for kubelet in list(_live_kubelets):
+        for pod in kubelet.running():
+            code = pod.process.poll() if pod.process else None
+            log = pod.log_path.read_text(errors="replace")[-tail:] if pod.log_path.exists() else "(no log)"
+            lines.append(
+                f"pod {pod.namespace}/{pod.name} on {pod.node} at {pod.ip}: ready={pod.ready} exit={code} "
+                f"after {time.monotonic() - pod.started:.0f} s\n{log}"
+            )
+    return "\n".join(lines) or "(no pods running)"
+
+
 class FakeKubelet:
     """Runs the pods the scheduler binds to the fake nodes (see the module docstring)."""
 
@@ -277,6 +302,7 @@ class FakeKubelet:
         ]
         for thread in self.threads:
             thread.start()
+        _live_kubelets.append(self)
 
     # the pod's address and process
     def _address(self) -> str:
@@ -298,7 +324,12 @@ class FakeKubelet:
 
     def _start(self, pod: client.V1Pod, ip: str) -> PodProcess:
         log_path = self.log_dir / f"{pod.metadata.namespace}.{pod.metadata.name}.log"
-        if not self.run_engines:
+        # Only the engine pods the orchestrator renders run: the platform's own pods (web, workers, beat, router,
+        # from the overlays) would start a second platform here, its Celery on the test's Redis (taking the usage
+        # stream and queued tasks) and its web server on 0.0.0.0:8000 (taking every pod address's port). They
+        # are reported Running and Ready, with nothing behind them.
+        engine_pod = LABEL_DEPLOYMENT_ID in (pod.metadata.labels or {})
+        if not self.run_engines or not engine_pod:
             return PodProcess(
                 pod.metadata.name, pod.metadata.namespace, pod.spec.node_name, ip, None, log_path, ready=True
             )
@@ -443,6 +474,8 @@ class FakeKubelet:
 
     def stop(self) -> None:
         self.stopped.set()
+        if self in _live_kubelets:
+            _live_kubelets.remove(self)
         with self.lock:
             uids = list(self.pods)
         for uid in uids:

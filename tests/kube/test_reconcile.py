@@ -22,6 +22,8 @@ from serving.orchestrators import kube_render as render
 from tenants.models import Role
 from tests.conftest import make_user
 
+from .harness import pods_report
+
 pytestmark = [pytest.mark.kube, pytest.mark.kubectl, pytest.mark.django_db(transaction=True)]
 
 NAMESPACE = "inference"
@@ -70,7 +72,7 @@ def reconcile_until(deployment: ModelDeployment, done, timeout: float = 120.0, *
             result.status != ObservedStatus.READY or not all_healthy or rows_settled(deployment)
         ):
             return result
-        assert time.monotonic() < deadline, f"not there within {timeout} s: {result}"
+        assert time.monotonic() < deadline, f"not there within {timeout} s: {result}\n{pods_report()}"
         time.sleep(0.5)
 
 
