@@ -31,6 +31,7 @@ from tenants.keys import IssuedKey, api_key_create
 from tenants.models import Membership, PriceSheet, Quota, Role, Scope, Team, Tenant, UsageRecord
 
 from .serving.engines import ENGINE_PYTHON, RunningEngine, start_engine
+from .template_db import create_test_database
 
 
 @dataclass
@@ -175,6 +176,18 @@ def pytest_runtest_setup(item):
         )
     if item.get_closest_marker("kubectl") and not shutil.which("kubectl"):
         pytest.fail("kubectl (with kustomize) is not on PATH: `make kubectl` installs it (`make test` does)")
+
+
+@pytest.fixture(scope="session")
+def django_db_setup(django_test_environment, django_db_blocker, django_db_modify_db_settings):
+    """pytest-django's, except that the test database is a copy of a migrated template (tests/template_db.py)."""
+    from django.db import connection
+
+    with django_db_blocker.unblock():
+        original = create_test_database(connection)
+    yield
+    with django_db_blocker.unblock():
+        connection.creation.destroy_test_db(original, verbosity=0)
 
 
 @pytest.fixture(autouse=True)

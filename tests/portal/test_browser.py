@@ -23,6 +23,7 @@ from django.utils import timezone
 from portal.live import QUEUE_KEY
 from serving.models import Endpoint, Health, ModelDeployment, ObservedStatus, Pool
 from tenants.usage_stream import stream_key, usage_redis
+from tests import costs
 
 from ..conftest import make_usage
 from .test_live import emit
@@ -80,7 +81,8 @@ def page(server):
 
     OUTPUT.mkdir(exist_ok=True)
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox"])
+        with costs.timed("Chromium"):
+            browser = p.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox"])
         context = browser.new_context(viewport={"width": 1280, "height": 900}, accept_downloads=True)
         page = context.new_page()
         page.set_default_timeout(15_000)

@@ -6,6 +6,8 @@ from datetime import UTC, datetime
 
 import pytest
 
+from tests import costs
+
 from .test_browser import CHROMIUM, server, sign_in  # noqa: F401  (server: a fixture)
 
 pytestmark = pytest.mark.browser
@@ -18,7 +20,8 @@ def test_times_read_in_the_viewers_timezone_with_utc_on_hover(world, server):  #
     key.last_used_at = datetime(2026, 11, 30, 8, 5, 9, tzinfo=UTC)
     key.save(update_fields=["last_used_at"])
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox"])
+        with costs.timed("Chromium"):
+            browser = p.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox"])
         context = browser.new_context(timezone_id="Asia/Kolkata", locale="en-US")  # UTC+5:30, all year
         page = context.new_page()
         page.set_default_timeout(15_000)

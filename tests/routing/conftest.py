@@ -24,6 +24,7 @@ from serving.models import Endpoint, Health, ModelDeployment, Pool
 from tenants.keys import IssuedKey, api_key_create
 from tenants.models import Quota, Scope, Team, Tenant
 
+from .. import costs
 from ..serving.engines import MODEL_DIR, MODEL_NAME, RunningEngine, start_engine
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -89,12 +90,14 @@ def start_router(env_extra: dict | None = None) -> RouterProcess:
             stderr=subprocess.STDOUT,
         )
     router = RouterProcess(f"http://127.0.0.1:{port}", process, log_path)
-    deadline = time.monotonic() + 60
+    started = time.monotonic()
+    deadline = started + 60
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"router exited:\n{router.log()[-3000:]}")
         try:
             if httpx.get(f"{router.url}/health", timeout=1).status_code == 200:
+                costs.record("router", time.monotonic() - started)
                 return router
         except httpx.HTTPError:
             time.sleep(0.2)

@@ -18,6 +18,7 @@ import pytest
 import zmq
 
 from inference_platform.ports import free_port
+from tests import costs
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = ROOT / "models" / "tiny-qwen"
@@ -157,6 +158,7 @@ def start_engines(
     """Start one engine per entry of `nixl_roles` side by side (vLLM takes a minute to come up) and wait for
     all of them; one that lost a port to another process between the choice and its bind is started again on
     others (up to three tries each). On any other failure every engine started here is stopped."""
+    started = time.monotonic()
     engines = [
         _launch(kind, extra, events=events, nixl_role=role, tool_parser=tool_parser) for role in nixl_roles
     ]
@@ -177,6 +179,8 @@ def start_engines(
         for engine in engines:
             engine.stop()
         raise
+    for _ in engines:  # side by side: each is charged the wait for all
+        costs.record("vLLM engine" if kind == "vllm" else "simulator", time.monotonic() - started)
     return engines
 
 

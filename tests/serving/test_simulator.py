@@ -86,19 +86,25 @@ def test_it_queues_requests_beyond_max_num_seqs(slow_engine):
                 start = time.monotonic()
                 await client.post(
                     "/v1/completions",
-                    json={"model": MODEL_NAME, "prompt": [salt + 100] * 10, "max_tokens": 6},
+                    json={"model": MODEL_NAME, "prompt": [salt + 100] * 10, "max_tokens": 16},
                 )
                 return time.monotonic() - start
 
             tasks = [asyncio.create_task(one(i)) for i in range(3)]
-            await asyncio.sleep(0.1)
-            waiting = slow_engine.metrics()["vllm:num_requests_waiting"]
-            running = slow_engine.metrics()["vllm:num_requests_running"]
+            # Until all three have arrived (the engine's own gauges say so), however busy the host; the first
+            # takes 0.75 s of decode, so the other two are still waiting then.
+            deadline = time.monotonic() + 10
+            while True:
+                metrics = await asyncio.to_thread(slow_engine.metrics)
+                running, waiting = metrics["vllm:num_requests_running"], metrics["vllm:num_requests_waiting"]
+                if running + waiting == 3 or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.02)
             return waiting, running, sorted(await asyncio.gather(*tasks))
 
     waiting, running, durations = asyncio.run(run())
     assert (running, waiting) == (1, 2)
-    # One at a time: each takes ~5 x 50 ms of decode, so the third finishes after about three of them.
+    # One at a time: each takes ~15 x 50 ms of decode, so the third finishes after about three of them.
     assert durations[2] > 2.5 * durations[0]
 
 
