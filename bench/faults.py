@@ -182,6 +182,9 @@ class OwnPostgres:
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self.server.cleanup()
+        # pgserver stops only the postmaster it started; the outage's restart made another, stopped here.
+        with contextlib.suppress(Exception):
+            self._pg_ctl(["-w", "-m", "fast", "stop"])
 
 
 # --- the partition: a TCP proxy per engine -----------------------------------------------------------------

@@ -34,7 +34,9 @@ def _port_range() -> tuple[int, int] | None:
     try:
         low, high = (int(part) for part in text.split("-"))
     except ValueError:
-        raise RuntimeError(f"PLATFORM_PORT_RANGE must read LOW-HIGH (e.g. 10000-11999), not {text!r}") from None
+        raise RuntimeError(
+            f"PLATFORM_PORT_RANGE must read LOW-HIGH (e.g. 10000-11999), not {text!r}"
+        ) from None
     if not 0 < low <= high < 65536:
         raise RuntimeError(f"PLATFORM_PORT_RANGE {text!r} is not a range of TCP ports")
     return low, high
@@ -58,7 +60,9 @@ def free_port(exclude: Collection[int] = (), host: str = "127.0.0.1") -> int:
             if port is not None and port not in exclude and port not in _recent:
                 _recent.append(port)
                 return port
-    raise RuntimeError(f"no free port found on {host}" + (f" in {confined[0]}-{confined[1]}" if confined else ""))
+    raise RuntimeError(
+        f"no free port found on {host}" + (f" in {confined[0]}-{confined[1]}" if confined else "")
+    )
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:

@@ -5,6 +5,7 @@ nothing more."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -22,25 +23,33 @@ OVERLAYS = sorted(path.name for path in (DEPLOY / "overlays").iterdir() if path.
 OPERATOR_CRDS = Path(__file__).parent / "crds"
 
 
-def versions(control_plane, manifest: str) -> dict[str, str]:
-    """Each object's generation (its spec's version), or its resourceVersion for kinds without one: a write of
-    ours changes either, while the controllers' status writes (a Deployment's conditions, an HPA's readings) change
-    neither."""
-    listed = json.loads(kubectl(control_plane, "get", "-f", "-", "-o", "json", input=manifest))
+def applied(control_plane, manifest: str) -> dict[str, list]:
+    """What our server-side apply owns in each object, and when it last wrote it: the managedFields entries of
+    kubectl's Apply. The controllers' own writes (the HPA scaling the router StatefulSet and recording its
+    readings, a Deployment's conditions) are entries of their own managers, so they do not show here."""
+    listed = json.loads(
+        kubectl(control_plane, "get", "-f", "-", "-o", "json", "--show-managed-fields", input=manifest)
+    )
     items = listed.get("items", [listed])
     return {
-        f"{item['kind']}/{item['metadata'].get('namespace', '')}/{item['metadata']['name']}": str(
-            item["metadata"].get("generation") or item["metadata"]["resourceVersion"]
-        )
+        f"{item['kind']}/{item['metadata'].get('namespace', '')}/{item['metadata']['name']}": [
+            (entry.get("time"), json.dumps(entry.get("fieldsV1"), sort_keys=True))
+            for entry in item["metadata"].get("managedFields", [])
+            if entry.get("manager") == "kubectl" and entry.get("operation") == "Apply"
+        ]
         for item in items
     }
 
 
 def apply_twice(control_plane, manifest: str) -> None:
     kubectl(control_plane, "apply", "--server-side", "-f", "-", input=manifest)
-    before = versions(control_plane, manifest)
+    before = applied(control_plane, manifest)
+    assert all(before.values()), (
+        f"objects without kubectl's apply entry: {[k for k, v in before.items() if not v]}"
+    )
+    time.sleep(1.1)  # managedFields times are to the second: a write by the second apply would show
     kubectl(control_plane, "apply", "--server-side", "-f", "-", input=manifest)
-    assert versions(control_plane, manifest) == before
+    assert applied(control_plane, manifest) == before
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

@@ -385,13 +385,14 @@ def test_an_engine_silent_past_the_first_token_limit_is_given_up_for_another(fle
     add_endpoint(fleet, "silent", silent.url)
     fleet.sync()
     client = openai.OpenAI(base_url=f"{fleet.router.url}/v1", api_key=fleet.key.secret, max_retries=0)
-    started = time.monotonic()
     for _ in range(4):
+        started = time.monotonic()
         chunks = list(
             client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=3, stream=True)
         )
         assert chunks[-1].choices[0].finish_reason == "length"
-    assert time.monotonic() - started < 12
+        # Given up after its 1 s (plus a busy host's seconds), not the default 600 s.
+        assert time.monotonic() - started < 20
     assert "first_token_timeout" in router_metrics(fleet.router.url)
 
 
