@@ -1,6 +1,6 @@
 """Where the suite's time goes: docs/testing.md from one run's JUnit XML.
 
-    rm -rf .local/test && make test PYTEST_ARGS="--junitxml=.local/suite.xml"
+    rm -rf .local/test && make test TEST_WORKERS=3 PYTEST_ARGS="--junitxml=.local/suite.xml"
     .venv/bin/python -m inference_platform.devstack exec -- .venv/bin/python scripts/test_report.py .local/suite.xml
 
 Each test's time is pytest's own (setup, call and teardown together), so a fixture built once is charged to the
