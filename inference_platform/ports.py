@@ -67,9 +67,4 @@ def free_port(exclude: Collection[int] = (), host: str = "127.0.0.1") -> int:
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
     """Whether a server could bind `port` now."""
-    with socket.socket() as sock:
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True
+    return _probe(host, port) is not None

